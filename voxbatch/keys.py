@@ -1,0 +1,41 @@
+"""The storage key layout, relative to the storage URL's prefix (see DESIGN.md, "Storage layout").
+
+Keys are deterministic from (job, chapter, segment), so a task delivered twice finds the object
+its first delivery stored and does not render it again.
+"""
+
+from __future__ import annotations
+
+from voxbatch.models import segment_id
+
+
+def voice(name: str) -> str:
+    return f"voices/{name}.safetensors"
+
+
+def job_spec(job_id: str) -> str:
+    return f"jobs/{job_id}/job.json"
+
+
+def segment(job_id: str, chapter: int, index: int, fmt: str) -> str:
+    return f"jobs/{job_id}/segments/{chapter:04d}/{segment_id(chapter, index)}.{fmt}"
+
+
+def chapter(job_id: str, chapter_index: int, fmt: str) -> str:
+    return f"jobs/{job_id}/chapters/{chapter_index:04d}.{fmt}"
+
+
+def book(job_id: str) -> str:
+    return f"jobs/{job_id}/book.m4b"
+
+
+def manifest(job_id: str) -> str:
+    return f"jobs/{job_id}/manifest.json"
+
+
+def subtitles(job_id: str, chapter_index: int, ext: str) -> str:
+    return f"jobs/{job_id}/subtitles/{chapter_index:04d}.{ext}"
+
+
+def job_prefix(job_id: str) -> str:
+    return f"jobs/{job_id}/"

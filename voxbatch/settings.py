@@ -1,0 +1,93 @@
+"""All of voxbatch's settings, read from the environment in this one place.
+
+Every process (producer CLI, worker, assembler, embedded renderer) builds one `Settings` and passes it
+down; nothing else reads `os.environ`. Variables are `VOXBATCH_<FIELD>` (e.g. `VOXBATCH_BROKER_URL`),
+plus the usual `AWS_ACCESS_KEY_ID` / `AWS_SECRET_ACCESS_KEY` / `AWS_REGION` for S3.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import AliasChoices, Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+AudioFormat = Literal["wav", "flac", "ogg", "opus"]
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="VOXBATCH_", frozen=True, extra="ignore", populate_by_name=True
+    )
+
+    # Redis URL used both as the Celery broker and for job state (db 0 unless the URL says otherwise).
+    broker_url: str = "redis://127.0.0.1:6379/0"
+    # Where job specs, voices and audio live: s3://bucket/prefix or file:///abs/path (the embedded default).
+    storage_url: str = "file://./voxbatch-data"
+    # S3 endpoint for S3-compatible stores (SeaweedFS, MinIO, R2); None means AWS itself.
+    s3_endpoint: str | None = None
+    aws_access_key_id: SecretStr | None = Field(
+        None, validation_alias=AliasChoices("AWS_ACCESS_KEY_ID", "VOXBATCH_AWS_ACCESS_KEY_ID")
+    )
+    aws_secret_access_key: SecretStr | None = Field(
+        None, validation_alias=AliasChoices("AWS_SECRET_ACCESS_KEY", "VOXBATCH_AWS_SECRET_ACCESS_KEY")
+    )
+    aws_region: str = Field("us-east-1", validation_alias=AliasChoices("AWS_REGION", "VOXBATCH_AWS_REGION"))
+
+    # Output container for segment and chapter audio.
+    output_format: AudioFormat = "wav"
+    # Segments per render task: small enough to spread over workers, large enough to batch on the GPU.
+    batch_size: int = Field(16, ge=1, le=1024)
+    # Celery queue names.
+    render_queue: str = "render"
+    assemble_queue: str = "assemble"
+
+    # Engine: "tone" (pipeline test / capacity planning) or "cosyvoice2".
+    engine: Literal["tone", "cosyvoice2"] = "tone"
+    # CosyVoice2 model directory (official layout); None means download from a hub when online.
+    model_dir: str | None = None
+    # Language-model backend for cosyvoice2.
+    llm_backend: Literal["torch", "vllm"] = "torch"
+    # Device placement, e.g. "cuda:0"; flow/hift may sit on another GPU than the LLM.
+    llm_device: str | None = None
+    flow_device: str | None = None
+    hift_device: str | None = None
+    # Share of GPU memory vLLM may take (the rest stays for flow/HiFT on the same GPU).
+    vllm_gpu_memory_utilization: float = Field(0.45, gt=0.0, le=1.0)
+    # Most segments the engine synthesizes in one batch.
+    engine_max_batch: int = Field(64, ge=1)
+
+    # The double buffer: bounded queue between the engine and the upload threads.
+    output_queue_size: int = Field(64, ge=1)
+    upload_threads: int = Field(4, ge=1, le=256)
+    # Render tasks a worker process runs at once (Celery thread pool); they feed one engine intake.
+    task_concurrency: int = Field(4, ge=1)
+
+    # Failure handling: a segment is retried this many times in all before it is recorded failed.
+    max_attempts: int = Field(3, ge=1)
+    retry_backoff_ms: int = Field(500, ge=0)
+    retry_backoff_max_ms: int = Field(30_000, ge=0)
+
+    # Broker visibility timeout: must exceed the longest task, or a healthy task runs twice.
+    visibility_timeout_s: int = Field(3600, ge=10)
+    # How often kombu restores unacked messages of dead workers (its default is ~100 s).
+    unacked_restore_interval_s: float = Field(5.0, gt=0)
+
+    # Assembly: silence between segments and between paragraphs/chapters.
+    pause_ms: int = Field(250, ge=0)
+    chapter_lead_ms: int = Field(500, ge=0)
+
+    # Prometheus metrics port of a worker (0 = off); per-GPU workers use port + gpu index.
+    metrics_port: int = Field(0, ge=0, le=65535)
+
+    @field_validator("storage_url")
+    @classmethod
+    def _storage_scheme(cls, v: str) -> str:
+        if not (v.startswith("s3://") or v.startswith("file://")):
+            raise ValueError(f"storage_url must start with s3:// or file://, got {v!r}")
+        return v
+
+
+def load_settings(**overrides) -> Settings:
+    """Settings from the environment, with explicit overrides (from CLI flags) on top."""
+    return Settings(**{k: v for k, v in overrides.items() if v is not None})

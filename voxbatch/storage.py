@@ -1,0 +1,201 @@
+"""Storage backends behind one small interface: a local folder (the embedded default) and S3.
+
+Writes are atomic: a reader never sees a partial object under a final key. The local backend writes a
+temporary file in the same folder and renames it; S3 PUTs are atomic by the protocol (an object is
+visible only once the whole body is stored), and we only use single-part PUTs for segment-sized
+objects and the managed transfer (which completes a multipart upload atomically) for large ones.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+from abc import ABC, abstractmethod
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+from voxbatch.settings import Settings
+
+
+class StorageError(RuntimeError):
+    pass
+
+
+class Storage(ABC):
+    """Byte objects under string keys ("jobs/<id>/segments/0000/0000-00000.wav")."""
+
+    url: str
+
+    @abstractmethod
+    def put(self, key: str, data: bytes, content_type: str = "application/octet-stream") -> None: ...
+
+    @abstractmethod
+    def get(self, key: str) -> bytes: ...
+
+    @abstractmethod
+    def exists(self, key: str) -> bool: ...
+
+    @abstractmethod
+    def list(self, prefix: str) -> list[str]:
+        """Keys under a prefix, sorted."""
+
+    @abstractmethod
+    def delete(self, key: str) -> None: ...
+
+    def put_file(self, key: str, path: str | Path, content_type: str = "application/octet-stream") -> None:
+        self.put(key, Path(path).read_bytes(), content_type)
+
+    def describe(self, key: str) -> str:
+        """Where a key lives, for messages (never includes credentials)."""
+        return f"{self.url.rstrip('/')}/{key}"
+
+
+class LocalStorage(Storage):
+    def __init__(self, root: str | Path):
+        self.root = Path(root).resolve()
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.url = self.root.as_uri()
+
+    def _path(self, key: str) -> Path:
+        path = (self.root / key).resolve()
+        if self.root not in path.parents:
+            raise StorageError(f"key {key!r} escapes the storage root")
+        return path
+
+    def put(self, key: str, data: bytes, content_type: str = "application/octet-stream") -> None:
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def get(self, key: str) -> bytes:
+        try:
+            return self._path(key).read_bytes()
+        except FileNotFoundError:
+            raise KeyError(key) from None
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).is_file()
+
+    def list(self, prefix: str) -> list[str]:
+        base = self._path(prefix.rstrip("/")) if prefix.strip("/") else self.root
+        if base.is_file():
+            return [prefix]
+        if not base.is_dir():
+            return []
+        keys = [
+            p.relative_to(self.root).as_posix()
+            for p in base.rglob("*")
+            if p.is_file() and not p.name.endswith(".part")
+        ]
+        return sorted(k for k in keys if k.startswith(prefix))
+
+    def delete(self, key: str) -> None:
+        self._path(key).unlink(missing_ok=True)
+
+
+class S3Storage(Storage):
+    """S3 or an S3-compatible store (SeaweedFS, MinIO, R2) through boto3.
+
+    One client per process (boto3 clients are thread-safe), with a connection pool at least as
+    large as the upload threads, standard retries, and checksums only when required (boto3 >= 1.36
+    otherwise sends CRC trailers that several S3-compatible stores reject).
+    """
+
+    def __init__(self, url: str, settings: Settings, max_pool: int | None = None):
+        import boto3
+        from botocore.config import Config
+
+        parsed = urlparse(url)
+        self.url = url
+        self.bucket = parsed.netloc
+        self.prefix = parsed.path.strip("/")
+        if not self.bucket:
+            raise StorageError(f"storage URL {url!r} names no bucket (expected s3://bucket/prefix)")
+        config = Config(
+            retries={"mode": "standard", "max_attempts": 5},
+            max_pool_connections=max(max_pool or settings.upload_threads + 4, 10),
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+            s3={"addressing_style": "path"},
+        )
+        key_id = settings.aws_access_key_id.get_secret_value() if settings.aws_access_key_id else None
+        secret = settings.aws_secret_access_key.get_secret_value() if settings.aws_secret_access_key else None
+        self.client = boto3.session.Session().client(
+            "s3",
+            endpoint_url=settings.s3_endpoint,
+            region_name=settings.aws_region,
+            aws_access_key_id=key_id,
+            aws_secret_access_key=secret,
+            config=config,
+        )
+        from botocore.exceptions import ClientError
+
+        self._client_error = ClientError
+
+    def _key(self, key: str) -> str:
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def put(self, key: str, data: bytes, content_type: str = "application/octet-stream") -> None:
+        self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data, ContentType=content_type)
+
+    def put_file(self, key: str, path: str | Path, content_type: str = "application/octet-stream") -> None:
+        self.client.upload_file(str(path), self.bucket, self._key(key), ExtraArgs={"ContentType": content_type})
+
+    def get(self, key: str) -> bytes:
+        try:
+            return self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
+        except self._client_error as e:
+            if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
+                raise KeyError(key) from None
+            raise
+
+    def exists(self, key: str) -> bool:
+        try:
+            self.client.head_object(Bucket=self.bucket, Key=self._key(key))
+            return True
+        except self._client_error as e:
+            if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                return False
+            raise
+
+    def list(self, prefix: str) -> list[str]:
+        full = self._key(prefix)
+        strip = len(self.prefix) + 1 if self.prefix else 0
+        keys: list[str] = []
+        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=full):
+            keys.extend(obj["Key"][strip:] for obj in page.get("Contents", []))
+        return sorted(keys)
+
+    def delete(self, key: str) -> None:
+        self.client.delete_object(Bucket=self.bucket, Key=self._key(key))
+
+
+_cache: dict[tuple, Storage] = {}
+_cache_lock = threading.Lock()
+
+
+def open_storage(settings: Settings, url: str | None = None) -> Storage:
+    """The storage for a URL (default: settings.storage_url); one instance per process and URL."""
+    url = url or settings.storage_url
+    cache_key = (url, settings.s3_endpoint, settings.upload_threads)
+    with _cache_lock:
+        if cache_key not in _cache:
+            if url.startswith("file://"):
+                parsed = urlparse(url)
+                path = unquote(parsed.netloc + parsed.path)
+                _cache[cache_key] = LocalStorage(path)
+            elif url.startswith("s3://"):
+                _cache[cache_key] = S3Storage(url, settings)
+            else:
+                raise StorageError(f"unsupported storage URL {url!r}: use s3://bucket/prefix or file:///path")
+        return _cache[cache_key]

@@ -1,0 +1,1 @@
+"""voxbatch's own CosyVoice2 inference: loads an official model directory unchanged, runs in batches."""

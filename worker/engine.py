@@ -1,0 +1,105 @@
+"""The interface the worker drives, and the registry that builds an engine from settings.
+
+An engine turns batches of segment texts into audio. The worker's pipeline (worker/pipeline.py) owns
+the threads: it feeds `Engine.serve` from an intake queue and takes finished audio from the
+`emit` callback into the bounded output queue (the double buffer). Engines that batch continuously
+(vLLM) override `serve`; the rest implement `synthesize` and get the batching loop for free.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from voxbatch.models import SynthesisParams
+from voxbatch.settings import Settings
+
+
+@dataclass(frozen=True)
+class SynthesisRequest:
+    """One segment to synthesize. `tag` is opaque to the engine and comes back with the result."""
+
+    segment_id: str
+    text: str
+    voice: str
+    seed: int
+    params: SynthesisParams = field(default_factory=SynthesisParams)
+    tag: object = None
+
+
+@dataclass(frozen=True)
+class SynthesisResult:
+    request: SynthesisRequest
+    audio: np.ndarray | None  # float32 mono in [-1, 1], at engine.sample_rate; None when it failed
+    error: str | None = None
+
+
+class Engine(ABC):
+    name: str
+    sample_rate: int
+    # Most requests `synthesize` is given at once.
+    max_batch: int = 64
+
+    def warmup(self) -> None:
+        """Run a small batch so kernels, graphs and caches are ready before the first task."""
+        list(self.synthesize([SynthesisRequest("warmup", "Warm up.", "default", 0)]))
+
+    @abstractmethod
+    def synthesize(self, batch: list[SynthesisRequest]) -> Iterator[SynthesisResult]:
+        """Synthesize a batch; yield each result as soon as it is ready (any order)."""
+
+    def serve(self, intake: "queue.Queue[SynthesisRequest | None]", emit: Callable[[SynthesisResult], None],
+              stop: threading.Event) -> None:
+        """Drain `intake` in batches of up to `max_batch` until `stop` is set or None arrives.
+
+        A failing batch is retried one request at a time, so one bad segment fails alone.
+        """
+        while not stop.is_set():
+            try:
+                first = intake.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if first is None:
+                return
+            batch = [first]
+            while len(batch) < self.max_batch:
+                try:
+                    nxt = intake.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    intake.put(None)
+                    break
+                batch.append(nxt)
+            self._run_batch(batch, emit)
+
+    def _run_batch(self, batch: list[SynthesisRequest], emit: Callable[[SynthesisResult], None]) -> None:
+        pending = {id(r): r for r in batch}
+        try:
+            for result in self.synthesize(batch):
+                pending.pop(id(result.request), None)
+                emit(result)
+        except Exception as e:  # noqa: BLE001 - any engine failure becomes a per-segment error
+            if len(batch) == 1:
+                emit(SynthesisResult(batch[0], None, f"{type(e).__name__}: {e}"))
+                return
+            for r in pending.values():
+                self._run_batch([r], emit)
+
+
+def build_engine(settings: Settings) -> Engine:
+    """The engine named by settings.engine, loaded and ready (not yet warmed)."""
+    if settings.engine == "tone":
+        from worker.tone import ToneEngine
+
+        return ToneEngine(max_batch=settings.engine_max_batch)
+    if settings.engine == "cosyvoice2":
+        from worker.cosyvoice2.engine import CosyVoice2Engine
+
+        return CosyVoice2Engine.from_settings(settings)
+    raise ValueError(f"unknown engine {settings.engine!r}")
