@@ -1,0 +1,42 @@
+"""The interface both language-model backends (`torch`, `vllm`) implement.
+
+The engine hands a backend whole requests (text tokens, prompt speech tokens, sampling settings) and
+gets speech tokens back per request as each sequence finishes, so flow/HiFT can start on finished
+sequences while others still decode. Both backends build the same input sequence
+`[sos, embed(prompt_text ++ text), task_id, speech_embed(prompt_speech)]` and sample the same way
+(repetition-aware sampling with a per-request seed).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LlmRequest:
+    text_tokens: list[int]  # prompt_text ++ text, Qwen token ids
+    prompt_speech_tokens: list[int]  # speech tokens of the voice prompt (may be empty)
+    min_tokens: int  # eos is masked before this many tokens (official: 2 * len(target text tokens))
+    max_tokens: int  # hard cap (official: 20 * len(target text tokens))
+    seed: int
+    top_p: float = 0.8
+    top_k: int = 25
+    win_size: int = 10
+    tau_r: float = 0.1
+    greedy: bool = False  # argmax instead of RAS (parity tests, debugging)
+
+
+@dataclass(frozen=True)
+class LlmResult:
+    index: int  # position of the request in the list given to `generate`
+    tokens: list[int]  # speech tokens, stop token excluded
+
+
+class LlmBackend(ABC):
+    name: str
+
+    @abstractmethod
+    def generate(self, requests: list[LlmRequest]) -> Iterator[LlmResult]:
+        """Decode all requests together; yield each as soon as it stops (any order)."""
