@@ -1,0 +1,184 @@
+"""Repetition-aware sampling (RAS, VALL-E 2) as the official CosyVoice2 HF path does it, batched on device.
+
+One step of the official sampler for one sequence:
+  1. nucleus: sort the softmax descending; keep tokens while the mass before them is < top_p and fewer
+     than top_k are kept; draw one of them proportionally to its probability;
+  2. repetition check: if the drawn token occurs in the last `win_size` decoded tokens at least
+     `win_size * tau_r` times, draw again from the whole softmax instead.
+Before min_len tokens, the eos log-prob is set to -inf; any of the three stop ids ends the sequence.
+
+The batched version (`ras_sample`) does both draws for every row with no host sync and picks one with
+`torch.where`. Its uniforms come from a counter-based hash of (seed, step, draw), computed with integer
+ops on the device, so a row's tokens depend on its own seed and step only, never on its batch
+neighbours. `OfficialRas` instead replays the official torch-RNG draws for one sequence (bit-exact
+parity with the reference tokens); it syncs every step and is for tests only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from worker.cosyvoice2.checkpoint import read_config, section
+
+_M32 = 0xFFFFFFFF
+_DRAW_NUCLEUS, _DRAW_FULL = 1, 2  # stream ids of the two uniforms drawn at each step
+
+
+@dataclass(frozen=True)
+class RasConfig:
+    """The yaml `llm.sampling` (`ras_sampling`) parameters."""
+
+    top_p: float = 0.8
+    top_k: int = 25
+    win_size: int = 10
+    tau_r: float = 0.1
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path) -> RasConfig:
+        s = section(read_config(model_dir), "llm", "sampling")
+        return cls(top_p=float(s["top_p"]), top_k=int(s["top_k"]), win_size=int(s["win_size"]), tau_r=float(s["tau_r"]))
+
+
+# -- counter-based uniforms ------------------------------------------------------------------------
+
+
+def _mix32(x: Tensor) -> Tensor:
+    """A 32-bit avalanche mixer on int64 tensors holding values in [0, 2^32).
+
+    xorshift-multiply rounds; multipliers stay below 2^31 so every product fits in int64 without
+    overflow, and the same integer ops give the same bits on CPU and GPU.
+    """
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x5BD1E995) & _M32
+    x = x ^ (x >> 13)
+    x = (x * 0x2C1B3C6D) & _M32
+    return x ^ (x >> 16)
+
+
+def seed_keys(seeds: list[int], device: torch.device | str) -> Tensor:
+    """Per-row 32-bit keys (B,) int64 from arbitrary Python-int seeds (folded to 64 bits first)."""
+    lo_hi = [((s & (2**64 - 1)) & _M32, ((s & (2**64 - 1)) >> 32) & _M32) for s in seeds]
+    lo = torch.tensor([a for a, _ in lo_hi], dtype=torch.int64, device=device)
+    hi = torch.tensor([b for _, b in lo_hi], dtype=torch.int64, device=device)
+    return _mix32(_mix32(lo) ^ hi)
+
+
+def uniforms(keys: Tensor, step: Tensor | int, draw: int) -> Tensor:
+    """U[0, 1) per row (B,) float32, a pure function of (key, step, draw): 24 random bits, exact in fp32."""
+    step_t = torch.as_tensor(step, dtype=torch.int64, device=keys.device) & _M32
+    h = _mix32(keys ^ _mix32(step_t ^ (draw * 0x9E3779B9 & _M32)))
+    return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))
+
+
+def _inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
+    """Index drawn from unnormalised probs (B, N) with uniforms u (B,): first i with cumsum_i > u * total.
+
+    Zero-probability entries can never be drawn (their cumsum equals their predecessor's).
+    """
+    cdf = probs.cumsum(dim=-1)  # (B, N)
+    target = u[:, None] * cdf[:, -1:]
+    idx = (cdf <= target).sum(dim=-1)
+    return idx.clamp_(max=probs.shape[-1] - 1)
+
+
+# -- the sampler -----------------------------------------------------------------------------------
+
+
+def mask_eos(logp: Tensor, n_decoded: Tensor, min_tokens: Tensor, eos_id: int) -> Tensor:
+    """logp (B, V) with eos at -inf for rows that have decoded fewer than min_tokens (official min_len)."""
+    out = logp.clone()
+    out[:, eos_id] = torch.where(n_decoded < min_tokens, float("-inf"), logp[:, eos_id])
+    return out
+
+
+def nucleus_sample(logp: Tensor, u: Tensor, top_p: Tensor | float, top_k: Tensor | int) -> Tensor:
+    """Official nucleus step, batched: logp (B, V), u (B,) -> token ids (B,)."""
+    probs = logp.softmax(dim=-1)
+    sorted_p, sorted_idx = probs.sort(dim=-1, descending=True, stable=True)  # (B, V)
+    mass_before = sorted_p.cumsum(dim=-1) - sorted_p  # (B, V): mass of the tokens ranked above
+    rank = torch.arange(probs.shape[-1], device=probs.device)
+    top_p = torch.as_tensor(top_p, device=probs.device, dtype=probs.dtype).reshape(-1, 1)
+    top_k = torch.as_tensor(top_k, device=probs.device).reshape(-1, 1)
+    keep = (mass_before < top_p) & (rank[None, :] < top_k)
+    keep[:, 0] = True  # the official loop always keeps the top token
+    pick = _inverse_cdf(sorted_p * keep, u)  # (B,) rank within the sorted order
+    return sorted_idx.gather(-1, pick[:, None])[:, 0]
+
+
+def random_sample(logp: Tensor, u: Tensor) -> Tensor:
+    """Official fallback: draw from the whole softmax (vocabulary order), logp (B, V) -> (B,)."""
+    return _inverse_cdf(logp.softmax(dim=-1), u)
+
+
+def ras_sample(
+    logp: Tensor,  # (B, V) log-probs, eos already masked where needed
+    recent: Tensor,  # (B, W) the last W decoded tokens, oldest first, -1 where there are fewer
+    u_nucleus: Tensor,  # (B,) uniforms for the nucleus draw
+    u_full: Tensor,  # (B,) uniforms for the fallback draw
+    top_p: Tensor | float = 0.8,
+    top_k: Tensor | int = 25,
+    win_size: Tensor | int = 10,
+    tau_r: Tensor | float = 0.1,
+) -> Tensor:
+    """The two-step RAS procedure for a batch; a plain callable so tests can Monte-Carlo it."""
+    top = nucleus_sample(logp, u_nucleus, top_p, top_k)
+    W = recent.shape[-1]
+    win = torch.as_tensor(win_size, device=logp.device).reshape(-1, 1)
+    in_window = torch.arange(W, device=logp.device)[None, :] >= W - win  # (B, W): the last win_size slots
+    reps = ((recent == top[:, None]) & in_window).sum(dim=-1)  # (B,)
+    threshold = torch.as_tensor(win_size, device=logp.device) * torch.as_tensor(tau_r, device=logp.device)
+    return torch.where(reps >= threshold, random_sample(logp, u_full), top)
+
+
+class BatchSampler:
+    """Per-row RAS settings and seeds for one decoding batch; `__call__` samples a step on device."""
+
+    def __init__(self, seeds: list[int], configs: list[RasConfig], greedy: list[bool], device: torch.device | str):
+        self.keys = seed_keys(seeds, device)
+        self.top_p = torch.tensor([c.top_p for c in configs], device=device)
+        self.top_k = torch.tensor([c.top_k for c in configs], device=device)
+        self.win_size = torch.tensor([c.win_size for c in configs], device=device)
+        self.tau_r = torch.tensor([c.tau_r for c in configs], device=device)
+        self.greedy = torch.tensor(greedy, device=device)
+        self.window = max(c.win_size for c in configs)  # W of the `recent` buffer
+
+    def __call__(self, logp: Tensor, recent: Tensor, step: Tensor | int) -> Tensor:
+        """logp (B, V) (eos masked), recent (B, W), step: each row's decoded count -> tokens (B,)."""
+        u1 = uniforms(self.keys, step, _DRAW_NUCLEUS)
+        u2 = uniforms(self.keys, step, _DRAW_FULL)
+        drawn = ras_sample(logp.float(), recent, u1, u2, self.top_p, self.top_k, self.win_size, self.tau_r)
+        return torch.where(self.greedy, logp.argmax(dim=-1), drawn)
+
+
+# -- replay of the official torch-RNG draws (one sequence, tests) ----------------------------------
+
+
+class OfficialRas:
+    """The official `ras_sampling` with torch's global RNG, in the official order of multinomial calls.
+
+    Seed with `torch.manual_seed(seed)` first. The nucleus mass is accumulated in fp32 one token at a
+    time, exactly as the official Python loop does, so the kept set matches at the top_p boundary.
+    """
+
+    def __init__(self, config: RasConfig):
+        self.config = config
+
+    def __call__(self, logp: Tensor, decoded: list[int]) -> int:
+        c = self.config
+        probs = logp.softmax(dim=0)  # (V,)
+        sorted_p, sorted_idx = probs.sort(descending=True, stable=True)
+        mass, kept = torch.zeros((), dtype=probs.dtype), 0
+        while kept < len(sorted_p) and bool(mass < c.top_p) and kept < c.top_k:
+            mass = mass + sorted_p[kept]
+            kept += 1
+        top = int(sorted_idx[:kept][sorted_p[:kept].clone().multinomial(1, replacement=True)])
+        reps = sum(1 for t in decoded[-c.win_size :] if t == top)
+        if reps >= c.win_size * c.tau_r:
+            top = int(probs.multinomial(1, replacement=True))
+        return top
