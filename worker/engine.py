@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -54,10 +55,11 @@ class Engine(ABC):
         """Synthesize a batch; yield each result as soon as it is ready (any order)."""
 
     def serve(self, intake: "queue.Queue[SynthesisRequest | None]", emit: Callable[[SynthesisResult], None],
-              stop: threading.Event) -> None:
+              stop: threading.Event, observe: Callable[[int, float, float], None] | None = None) -> None:
         """Drain `intake` in batches of up to `max_batch` until `stop` is set or None arrives.
 
         A failing batch is retried one request at a time, so one bad segment fails alone.
+        `observe(batch_size, audio_s, wall_s)` is told about every batch (metrics).
         """
         while not stop.is_set():
             try:
@@ -76,7 +78,18 @@ class Engine(ABC):
                     intake.put(None)
                     break
                 batch.append(nxt)
-            self._run_batch(batch, emit)
+            t0 = time.perf_counter()
+            audio_s = 0.0
+
+            def counted(result: SynthesisResult) -> None:
+                nonlocal audio_s
+                if result.audio is not None:
+                    audio_s += len(result.audio) / self.sample_rate
+                emit(result)
+
+            self._run_batch(batch, counted)
+            if observe is not None:
+                observe(len(batch), audio_s, time.perf_counter() - t0)
 
     def _run_batch(self, batch: list[SynthesisRequest], emit: Callable[[SynthesisResult], None]) -> None:
         pending = {id(r): r for r in batch}

@@ -1,0 +1,61 @@
+"""The Celery app, configured in this one place, and the task names both sides send by.
+
+The producer sends tasks by name (`send_task`), so it never imports worker code; the worker and the
+assembler register their tasks against this same `app` object. Settings that matter for not losing
+work: JSON only; acks late and rejected-on-worker-lost, so a crashed worker's task goes back to the
+queue; prefetch 1, so a worker does not hoard tasks other workers could run; a visibility timeout
+above the longest task (else a healthy task is delivered twice) and a short unacked-restore interval
+(kombu's default re-checks only every ~100 s, so a SIGKILLed worker's task would idle that long).
+"""
+
+from __future__ import annotations
+
+from celery import Celery
+
+from voxbatch.models import RenderTask
+from voxbatch.settings import Settings
+
+RENDER_TASK = "voxbatch.render"
+ASSEMBLE_TASK = "voxbatch.assemble"
+
+app = Celery("voxbatch", set_as_current=False)
+
+
+def configure_celery(settings: Settings) -> Celery:
+    app.conf.update(
+        broker_url=settings.broker_url,
+        task_serializer="json",
+        accept_content=["json"],
+        result_serializer="json",
+        task_ignore_result=True,
+        result_backend=None,
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        task_acks_on_failure_or_timeout=True,
+        worker_prefetch_multiplier=1,
+        worker_send_task_events=False,
+        worker_hijack_root_logger=False,
+        broker_connection_retry_on_startup=True,
+        broker_transport_options={
+            "visibility_timeout": settings.visibility_timeout_s,
+            "unacked_restore_interval": settings.unacked_restore_interval_s,
+            "unacked_restore_throttle": 1,
+        },
+        # On SIGTERM the worker keeps running its in-flight tasks this long, then re-queues the rest.
+        worker_soft_shutdown_timeout=60.0,
+        worker_enable_soft_shutdown_on_idle=True,
+        task_routes={
+            RENDER_TASK: {"queue": settings.render_queue},
+            ASSEMBLE_TASK: {"queue": settings.assemble_queue},
+        },
+        task_default_queue=settings.render_queue,
+    )
+    return app
+
+
+def send_render(task: RenderTask, queue: str | None = None) -> None:
+    app.send_task(RENDER_TASK, args=[task.model_dump(mode="json")], queue=queue)
+
+
+def send_assemble(job_id: str, queue: str | None = None) -> None:
+    app.send_task(ASSEMBLE_TASK, args=[job_id], queue=queue)

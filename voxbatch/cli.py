@@ -1,0 +1,202 @@
+"""The `voxbatch` command: thin typer commands that build one Settings and call library code.
+
+Options default to None and fall back to Settings (environment), so no default is restated here.
+Heavy imports (torch, the engine) happen inside the commands that need them: the producer commands
+run on machines without torch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+from voxbatch.settings import Settings, load_settings
+
+app = typer.Typer(help="voxbatch: distributed batch text-to-speech (CosyVoice2) to S3-compatible storage.",
+                  no_args_is_help=True, pretty_exceptions_enable=False)
+voice_app = typer.Typer(help="Voice profiles (prompt audio + transcript).", no_args_is_help=True)
+model_app = typer.Typer(help="Model directories.", no_args_is_help=True)
+app.add_typer(voice_app, name="voice")
+app.add_typer(model_app, name="model")
+console = Console()
+err = Console(stderr=True)
+
+
+def _fail(message: str) -> None:
+    err.print(f"[red]error:[/red] {message}")
+    raise typer.Exit(2)
+
+
+def _settings(**overrides) -> Settings:
+    try:
+        return load_settings(**overrides)
+    except Exception as e:  # noqa: BLE001 - show pydantic's field error, never a traceback with values
+        _fail(f"bad settings: {e}")
+        raise
+
+
+def _jobs(settings: Settings):
+    from voxbatch.jobstate import RedisJobStore
+
+    return RedisJobStore.from_url(settings.broker_url)
+
+
+@app.command()
+def submit(path: Path, voice: str = typer.Option(..., help="voice profile name ('tone' for the tone engine)"),
+           name: Optional[str] = typer.Option(None, help="job name (default: file name)"),
+           format: Optional[str] = typer.Option(None, "--format", help="wav|flac|ogg|opus"),
+           queue: Optional[str] = typer.Option(None, help="render queue (default: settings)"),
+           watch: bool = typer.Option(False, help="show progress until the job finishes")):
+    """Read, segment and enqueue a corpus (.txt, .md, .epub or a folder); prints the job id."""
+    from producer.submit import plan_job, submit_job
+    from voxbatch.storage import open_storage
+
+    settings = _settings(output_format=format)
+    try:
+        spec = plan_job(path, voice, settings, name=name)
+        job_id = submit_job(spec, settings, open_storage(settings), queue)
+    except (ValueError, OSError) as e:
+        _fail(str(e))
+    console.print(job_id, highlight=False)
+    if watch:
+        from producer.control import watch as watch_job
+
+        watch_job(_jobs(settings), job_id, err)
+
+
+@app.command()
+def status(job: str, watch: bool = typer.Option(False, help="progress bar until the job finishes")):
+    """Progress of a job: segments, audio seconds, failures."""
+    from producer.control import JobNotFound, get_status, status_table
+    from producer.control import watch as watch_job
+
+    jobs = _jobs(_settings())
+    try:
+        s = watch_job(jobs, job, console) if watch else get_status(jobs, job)
+    except JobNotFound as e:
+        _fail(str(e.args[0]))
+    console.print(status_table(s))
+
+
+@app.command()
+def cancel(job: str):
+    """Stop a job: queued segments are skipped, stored ones are kept."""
+    if _jobs(_settings()).cancel(job) < 0:
+        _fail(f"no job {job!r}")
+    console.print(f"cancelled {job}")
+
+
+@app.command()
+def retry(job: str, queue: Optional[str] = typer.Option(None, help="render queue")):
+    """Re-enqueue only the failed or missing segments of a job."""
+    from producer.control import JobNotFound, retry_job
+    from producer.submit import SubmitError
+    from voxbatch.storage import open_storage
+
+    settings = _settings()
+    try:
+        n = retry_job(_jobs(settings), open_storage(settings), settings, job, queue)
+    except (JobNotFound, SubmitError) as e:
+        _fail(str(e.args[0]))
+    console.print(f"re-enqueued {n} segment(s) of {job}")
+
+
+@app.command()
+def fetch(job: str, out: Path = typer.Option(..., help="folder to download the job's files into")):
+    """Download every file of a job (segments, chapters, manifest, subtitles, book)."""
+    from producer.assemble import fetch_job
+    from voxbatch.storage import open_storage
+
+    n = fetch_job(open_storage(_settings()), job, out)
+    if n == 0:
+        _fail(f"job {job!r}: nothing stored")
+    console.print(f"fetched {n} file(s) into {out}")
+
+
+@app.command("jobs")
+def list_jobs(limit: int = typer.Option(50, help="most jobs to list")):
+    """List jobs, newest first."""
+    from producer.control import jobs_table
+
+    console.print(jobs_table(_jobs(_settings()), limit))
+
+
+@app.command()
+def worker(gpus: Optional[str] = typer.Option(None, help="comma-separated GPU ids, one process each"),
+           engine: Optional[str] = typer.Option(None, help="tone|cosyvoice2"),
+           llm_backend: Optional[str] = typer.Option(None, help="torch|vllm"),
+           model_dir: Optional[Path] = typer.Option(None, help="CosyVoice2 model directory"),
+           concurrency: Optional[int] = typer.Option(None, help="render tasks at once per process"),
+           queues: Optional[str] = typer.Option(None, help="queues to consume (default: render)")):
+    """Start GPU workers: one pinned Celery process per GPU, engine warmed before the first task."""
+    from worker.launcher import run_workers
+
+    flags = {"engine": engine, "llm_backend": llm_backend, "model_dir": str(model_dir) if model_dir else None}
+    _settings(**flags)  # validate here, before any process starts
+    env = {f"VOXBATCH_{k.upper()}": v for k, v in flags.items() if v is not None}
+    ids = [g.strip() for g in gpus.split(",") if g.strip()] if gpus else None
+    raise typer.Exit(run_workers(ids, concurrency, queues, env_overrides=env))
+
+
+@app.command()
+def assembler(concurrency: int = typer.Option(2, help="assemble tasks at once")):
+    """Start the CPU assembler: chapters, manifest, subtitles and m4b once a job's last segment lands."""
+    import producer.tasks  # noqa: F401 - registers voxbatch.assemble
+    from voxbatch.celery_app import app as celery_app
+    from voxbatch.celery_app import configure_celery
+
+    settings = _settings()
+    configure_celery(settings)
+    celery_app.worker_main(["worker", "--pool", "threads", "--concurrency", str(concurrency), "--queues",
+                            settings.assemble_queue, "--hostname", "voxbatch-assembler@%h",
+                            "--without-gossip", "--without-mingle", "--loglevel", "INFO"])
+
+
+@app.command()
+def render(path: Path, out: Path = typer.Option(..., help="output folder"),
+           voice: str = typer.Option("tone", help="voice profile name (stored under OUT/voices/)"),
+           engine: Optional[str] = typer.Option(None, help="tone|cosyvoice2"),
+           llm_backend: Optional[str] = typer.Option(None, help="torch|vllm"),
+           model_dir: Optional[Path] = typer.Option(None, help="CosyVoice2 model directory"),
+           format: Optional[str] = typer.Option(None, "--format", help="wav|flac|ogg|opus"),
+           max_tokens: Optional[int] = typer.Option(None, help="cap on speech tokens per segment")):
+    """Render a corpus in this process into a local folder (no Redis, no S3): the embedded default."""
+    from voxbatch.models import SynthesisParams
+    from worker.local import render_local
+
+    settings = _settings(engine=engine, llm_backend=llm_backend, model_dir=str(model_dir) if model_dir else None,
+                         output_format=format, storage_url=out.resolve().as_uri())
+    try:
+        manifest = render_local(path, out, voice, settings, params=SynthesisParams(max_tokens=max_tokens))
+    except (ValueError, OSError) as e:
+        _fail(str(e))
+    total = sum(c.duration_s for c in manifest.chapters)
+    console.print(f"job {manifest.job_id}: {len(manifest.segments)} segments, {total:.1f} s of audio, "
+                  f"state {manifest.state} -> {out / 'jobs' / manifest.job_id}")
+
+
+@voice_app.command("add")
+def voice_add(name: str, wav: Path = typer.Option(..., help="prompt audio (≤ 30 s, ≥ 16 kHz)"),
+              text: str = typer.Option(..., help="transcript of the prompt audio"),
+              model_dir: Optional[Path] = typer.Option(None, help="CosyVoice2 model directory (ONNX frontend)")):
+    """Create a voice profile from a prompt recording and store it."""
+    from producer.voice import create_voice
+    from voxbatch.storage import open_storage
+    from voxbatch.voice import save_voice
+
+    settings = _settings(model_dir=str(model_dir) if model_dir else None)
+    if not settings.model_dir:
+        _fail("voice add needs the model directory: --model-dir or VOXBATCH_MODEL_DIR")
+    try:
+        profile = create_voice(settings.model_dir, name, wav, text)
+    except (ValueError, OSError) as e:
+        _fail(str(e))
+    save_voice(open_storage(settings), profile)
+    console.print(f"stored voice {name!r}")
+
+
+if __name__ == "__main__":
+    app()

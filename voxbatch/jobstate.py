@@ -1,0 +1,289 @@
+"""Job state: per-job counters and per-segment completion, in Redis (or in memory for `voxbatch render`).
+
+Redis key layout (all keys of a job share the `{<job>}` hash tag, so a job lives on one cluster slot):
+
+    vb:jobs                     zset   job id -> created_at                 (`voxbatch jobs`)
+    vb:load                     string segments queued + reserved + running, all jobs (autoscaling signal)
+    vb:job:{<job>}              hash   name, voice, format, state, total, done, failed, audio_ms,
+                                       created_at, updated_at, assemble (0/1: the one assemble claimed)
+    vb:job:{<job>}:done         set    ids of segments stored
+    vb:job:{<job>}:failed       hash   segment id -> final error
+    vb:job:{<job>}:attempts     hash   segment id -> attempts started (survives worker crashes)
+    vb:job:{<job>}:errors       hash   segment id -> last error seen (kept while retrying)
+
+Every step that touches several keys is one Lua script, so two workers finishing the last two
+segments at the same moment cannot both (or neither) enqueue the assembly: `finish` returns 1 to
+exactly one caller, the one that moved the job to `assembling`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from abc import ABC, abstractmethod
+
+import redis
+
+from voxbatch.models import JobState, JobStatus
+
+FINISHED = ("completed", "completed_with_errors", "cancelled", "failed")
+
+# KEYS: job hash, done set, failed hash, load.  ARGV: segment id, outcome ("done"|"failed"), audio_ms, error, now
+# Returns: 1 when this call finished the job's last segment (the caller enqueues the assembly),
+# 0 when recorded, -1 when the job is cancelled/unknown, -2 when the segment was already recorded.
+_FINISH = """
+local state = redis.call('HGET', KEYS[1], 'state')
+if not state or state == 'cancelled' then return -1 end
+local seg, outcome = ARGV[1], ARGV[2]
+if redis.call('SISMEMBER', KEYS[2], seg) == 1 then return -2 end
+if outcome == 'done' then
+  redis.call('SADD', KEYS[2], seg)
+  if redis.call('HDEL', KEYS[3], seg) == 1 then
+    redis.call('HINCRBY', KEYS[1], 'failed', -1)
+  else
+    redis.call('DECR', KEYS[4])
+  end
+  redis.call('HINCRBY', KEYS[1], 'done', 1)
+  redis.call('HINCRBY', KEYS[1], 'audio_ms', tonumber(ARGV[3]))
+else
+  if redis.call('HSET', KEYS[3], seg, ARGV[4]) == 0 then return -2 end
+  redis.call('HINCRBY', KEYS[1], 'failed', 1)
+  redis.call('DECR', KEYS[4])
+end
+redis.call('HSET', KEYS[1], 'updated_at', ARGV[5])
+if state == 'queued' then redis.call('HSET', KEYS[1], 'state', 'running') end
+local total = tonumber(redis.call('HGET', KEYS[1], 'total'))
+local done = tonumber(redis.call('HGET', KEYS[1], 'done'))
+local failed = tonumber(redis.call('HGET', KEYS[1], 'failed'))
+if done + failed >= total and redis.call('HGET', KEYS[1], 'assemble') == '0' then
+  redis.call('HSET', KEYS[1], 'assemble', '1', 'state', 'assembling')
+  return 1
+end
+return 0
+"""
+
+# KEYS: job hash, load.  ARGV: now.  Cancels a job; outstanding segments leave the load counter.
+_CANCEL = """
+local state = redis.call('HGET', KEYS[1], 'state')
+if not state then return -1 end
+if state == 'completed' or state == 'completed_with_errors' or state == 'cancelled' then return 0 end
+local h = redis.call('HMGET', KEYS[1], 'total', 'done', 'failed')
+local left = tonumber(h[1]) - tonumber(h[2]) - tonumber(h[3])
+redis.call('DECRBY', KEYS[2], left)
+redis.call('HSET', KEYS[1], 'state', 'cancelled', 'updated_at', ARGV[1])
+return 1
+"""
+
+# KEYS: job hash, done set, failed hash, attempts hash, errors hash, load.  ARGV: now, segment ids...
+# Re-opens a job for the given segments (failed or missing); returns how many were re-opened.
+_REOPEN = """
+local state = redis.call('HGET', KEYS[1], 'state')
+if not state then return -1 end
+local h = redis.call('HMGET', KEYS[1], 'total', 'done', 'failed')
+local outstanding = tonumber(h[1]) - tonumber(h[2]) - tonumber(h[3])
+if state == 'cancelled' then outstanding = 0 end
+local n = 0
+for i = 2, #ARGV do
+  local seg = ARGV[i]
+  if redis.call('SISMEMBER', KEYS[2], seg) == 0 then
+    if redis.call('HDEL', KEYS[3], seg) == 1 then redis.call('HINCRBY', KEYS[1], 'failed', -1) end
+    redis.call('HDEL', KEYS[4], seg)
+    redis.call('HDEL', KEYS[5], seg)
+    n = n + 1
+  end
+end
+local h2 = redis.call('HMGET', KEYS[1], 'total', 'done', 'failed')
+local now_outstanding = tonumber(h2[1]) - tonumber(h2[2]) - tonumber(h2[3])
+redis.call('INCRBY', KEYS[6], now_outstanding - outstanding)
+if n > 0 or state == 'cancelled' or state == 'assembling' then
+  redis.call('HSET', KEYS[1], 'state', 'running', 'assemble', '0', 'updated_at', ARGV[1])
+end
+return n
+"""
+
+
+class JobStore(ABC):
+    """What the worker pipeline and the producer need to know and record about jobs."""
+
+    @abstractmethod
+    def create(self, job_id: str, name: str, voice: str, fmt: str, total: int, created_at: float) -> None: ...
+
+    @abstractmethod
+    def begin_attempt(self, job_id: str, seg_id: str) -> int:
+        """Count one more attempt at a segment; returns the attempts so far, this one included."""
+
+    @abstractmethod
+    def note_error(self, job_id: str, seg_id: str, error: str) -> None: ...
+
+    @abstractmethod
+    def last_error(self, job_id: str, seg_id: str) -> str | None: ...
+
+    @abstractmethod
+    def finish(self, job_id: str, seg_id: str, *, audio_s: float = 0.0, error: str | None = None) -> int:
+        """Record a segment stored (error None) or failed for good. See `_FINISH` for the return codes."""
+
+    @abstractmethod
+    def is_done(self, job_id: str, seg_id: str) -> bool: ...
+
+    @abstractmethod
+    def state(self, job_id: str) -> JobState | None: ...
+
+    @abstractmethod
+    def set_state(self, job_id: str, state: JobState) -> None: ...
+
+    @abstractmethod
+    def status(self, job_id: str) -> JobStatus | None: ...
+
+
+class RedisJobStore(JobStore):
+    def __init__(self, client: redis.Redis):
+        self.r = client
+        self._finish = client.register_script(_FINISH)
+        self._cancel = client.register_script(_CANCEL)
+        self._reopen = client.register_script(_REOPEN)
+
+    @classmethod
+    def from_url(cls, url: str) -> "RedisJobStore":
+        return cls(redis.Redis.from_url(url, decode_responses=True, health_check_interval=30))
+
+    @staticmethod
+    def _k(job_id: str, part: str = "") -> str:
+        return f"vb:job:{{{job_id}}}{':' + part if part else ''}"
+
+    def create(self, job_id: str, name: str, voice: str, fmt: str, total: int, created_at: float) -> None:
+        with self.r.pipeline(transaction=True) as p:
+            p.hset(self._k(job_id), mapping={
+                "name": name, "voice": voice, "format": fmt, "state": "queued", "total": total, "done": 0,
+                "failed": 0, "audio_ms": 0, "created_at": created_at, "updated_at": created_at, "assemble": 0,
+            })
+            p.zadd("vb:jobs", {job_id: created_at})
+            p.incrby("vb:load", total)
+            p.execute()
+
+    def begin_attempt(self, job_id: str, seg_id: str) -> int:
+        return int(self.r.hincrby(self._k(job_id, "attempts"), seg_id, 1))
+
+    def note_error(self, job_id: str, seg_id: str, error: str) -> None:
+        self.r.hset(self._k(job_id, "errors"), seg_id, error[:2000])
+
+    def last_error(self, job_id: str, seg_id: str) -> str | None:
+        return self.r.hget(self._k(job_id, "errors"), seg_id)
+
+    def finish(self, job_id: str, seg_id: str, *, audio_s: float = 0.0, error: str | None = None) -> int:
+        keys = [self._k(job_id), self._k(job_id, "done"), self._k(job_id, "failed"), "vb:load"]
+        args = [seg_id, "failed" if error else "done", round(audio_s * 1000), (error or "")[:2000], time.time()]
+        return int(self._finish(keys=keys, args=args))
+
+    def is_done(self, job_id: str, seg_id: str) -> bool:
+        return bool(self.r.sismember(self._k(job_id, "done"), seg_id))
+
+    def done_ids(self, job_id: str) -> set[str]:
+        return set(self.r.smembers(self._k(job_id, "done")))
+
+    def failed(self, job_id: str) -> dict[str, str]:
+        return dict(self.r.hgetall(self._k(job_id, "failed")))
+
+    def state(self, job_id: str) -> JobState | None:
+        return self.r.hget(self._k(job_id), "state")  # type: ignore[return-value]
+
+    def set_state(self, job_id: str, state: JobState) -> None:
+        self.r.hset(self._k(job_id), mapping={"state": state, "updated_at": time.time()})
+
+    def cancel(self, job_id: str) -> int:
+        return int(self._cancel(keys=[self._k(job_id), "vb:load"], args=[time.time()]))
+
+    def reopen(self, job_id: str, seg_ids: list[str]) -> int:
+        keys = [self._k(job_id, p) for p in ("", "done", "failed", "attempts", "errors")] + ["vb:load"]
+        return int(self._reopen(keys=keys, args=[time.time(), *seg_ids]))
+
+    def status(self, job_id: str) -> JobStatus | None:
+        h = self.r.hgetall(self._k(job_id))
+        if not h:
+            return None
+        errors = dict(self.r.hgetall(self._k(job_id, "failed")))
+        return JobStatus(
+            id=job_id, name=h["name"], state=h["state"], total=int(h["total"]), done=int(h["done"]),
+            failed=int(h["failed"]), audio_s=int(h["audio_ms"]) / 1000, created_at=float(h["created_at"]),
+            updated_at=float(h["updated_at"]), errors=errors,
+        )
+
+    def job_ids(self, limit: int = 50) -> list[str]:
+        return list(self.r.zrevrange("vb:jobs", 0, limit - 1))
+
+    def load(self) -> int:
+        return int(self.r.get("vb:load") or 0)
+
+
+class MemoryJobStore(JobStore):
+    """The same bookkeeping in one process, for `voxbatch render` (no Redis)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._jobs: dict[str, dict] = {}
+
+    def create(self, job_id: str, name: str, voice: str, fmt: str, total: int, created_at: float) -> None:
+        with self._lock:
+            self._jobs[job_id] = dict(name=name, state="queued", total=total, done=set(), failed={}, attempts={},
+                                      errors={}, audio_s=0.0, created_at=created_at, updated_at=created_at,
+                                      assemble=False)
+
+    def begin_attempt(self, job_id: str, seg_id: str) -> int:
+        with self._lock:
+            a = self._jobs[job_id]["attempts"]
+            a[seg_id] = a.get(seg_id, 0) + 1
+            return a[seg_id]
+
+    def note_error(self, job_id: str, seg_id: str, error: str) -> None:
+        with self._lock:
+            self._jobs[job_id]["errors"][seg_id] = error
+
+    def last_error(self, job_id: str, seg_id: str) -> str | None:
+        with self._lock:
+            return self._jobs[job_id]["errors"].get(seg_id)
+
+    def finish(self, job_id: str, seg_id: str, *, audio_s: float = 0.0, error: str | None = None) -> int:
+        with self._lock:
+            j = self._jobs.get(job_id)
+            if j is None or j["state"] == "cancelled":
+                return -1
+            if seg_id in j["done"] or (error and seg_id in j["failed"]):
+                return -2
+            if error:
+                j["failed"][seg_id] = error
+            else:
+                j["failed"].pop(seg_id, None)
+                j["done"].add(seg_id)
+                j["audio_s"] += audio_s
+            j["updated_at"] = time.time()
+            if j["state"] == "queued":
+                j["state"] = "running"
+            if len(j["done"]) + len(j["failed"]) >= j["total"] and not j["assemble"]:
+                j["assemble"], j["state"] = True, "assembling"
+                return 1
+            return 0
+
+    def is_done(self, job_id: str, seg_id: str) -> bool:
+        with self._lock:
+            return seg_id in self._jobs[job_id]["done"]
+
+    def failed(self, job_id: str) -> dict[str, str]:
+        with self._lock:
+            return dict(self._jobs[job_id]["failed"])
+
+    def state(self, job_id: str) -> JobState | None:
+        with self._lock:
+            j = self._jobs.get(job_id)
+            return j["state"] if j else None
+
+    def set_state(self, job_id: str, state: JobState) -> None:
+        with self._lock:
+            self._jobs[job_id]["state"] = state
+
+    def status(self, job_id: str) -> JobStatus | None:
+        with self._lock:
+            j = self._jobs.get(job_id)
+            if j is None:
+                return None
+            return JobStatus(id=job_id, name=j["name"], state=j["state"], total=j["total"], done=len(j["done"]),
+                             failed=len(j["failed"]), audio_s=j["audio_s"], created_at=j["created_at"],
+                             updated_at=j["updated_at"], errors=dict(j["failed"]))

@@ -1,0 +1,62 @@
+"""One worker process: pinned to at most one GPU, engine built and warmed, then Celery consumes.
+
+Run by the launcher (`voxbatch worker --gpus ...`) with CUDA_VISIBLE_DEVICES already set, so nothing
+in this process can touch another GPU. Celery runs the thread pool: the CUDA context lives in this
+one process and is never forked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import socket
+
+from voxbatch.celery_app import app, configure_celery, send_assemble
+from voxbatch.jobstate import RedisJobStore
+from voxbatch.settings import load_settings
+from voxbatch.storage import open_storage
+
+
+def serve(gpu: str | None, concurrency: int | None, queues: str | None, hostname: str | None) -> None:
+    from worker import tasks
+    from worker.engine import build_engine
+    from worker.pipeline import Pipeline
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = load_settings()
+    configure_celery(settings)
+    engine = build_engine(settings)
+    engine.warmup()
+    metrics = None
+    if settings.metrics_port:
+        from worker.metrics import Metrics
+
+        metrics = Metrics(worker=hostname or socket.gethostname(), gpu=gpu or "cpu")
+        metrics.serve(settings.metrics_port + (int(gpu) if gpu and gpu.isdigit() else 0))
+    pipeline = Pipeline(engine, open_storage(settings), RedisJobStore.from_url(settings.broker_url), settings,
+                        on_job_complete=lambda job_id: send_assemble(job_id, settings.assemble_queue),
+                        metrics=metrics).start()
+    tasks.install(pipeline)
+    name = hostname or f"voxbatch-{'gpu' + gpu if gpu is not None else 'cpu'}@{socket.gethostname()}"
+    try:
+        app.worker_main([
+            "worker", "--pool", "threads", "--concurrency", str(concurrency or settings.task_concurrency),
+            "--queues", queues or settings.render_queue, "--hostname", name,
+            "--without-gossip", "--without-mingle", "--loglevel", "INFO",
+        ])
+    finally:
+        pipeline.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="one voxbatch worker process (started by `voxbatch worker`)")
+    parser.add_argument("--gpu", default=None)
+    parser.add_argument("--concurrency", type=int, default=None)
+    parser.add_argument("--queues", default=None)
+    parser.add_argument("--hostname", default=None)
+    a = parser.parse_args()
+    serve(a.gpu, a.concurrency, a.queues, a.hostname)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,203 @@
+"""The double buffer inside a worker: engine → bounded output queue → upload threads.
+
+Render tasks (Celery threads) hand their segments to the engine's intake and wait on a handle.
+One engine thread batches from the intake and pushes finished audio into a bounded queue; upload
+threads encode it, write it to storage under its final key, record it in the job store and count
+the task's segments down. The engine only waits on storage when that queue is full, so the GPU keeps
+working while objects upload. This is the one path that finishes a segment (`_finish`): stored,
+retried with backoff, or failed for good after `max_attempts`.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import queue
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import soundfile as sf
+
+from voxbatch.audio import content_type, encode
+from voxbatch.jobstate import JobStore
+from voxbatch.models import RenderTask, TaskSegment
+from voxbatch.settings import Settings
+from voxbatch.storage import Storage
+from worker.engine import Engine, SynthesisRequest, SynthesisResult
+
+log = logging.getLogger(__name__)
+
+
+def backoff_s(attempt: int, base_ms: int, max_ms: int) -> float:
+    """Jittered exponential backoff before attempt `attempt + 1` ("full jitter")."""
+    return random.uniform(0, min(max_ms, base_ms * 2 ** max(attempt - 1, 0))) / 1000
+
+
+class TaskHandle:
+    """Counts one render task's segments down; the Celery thread waits on it before acking."""
+
+    def __init__(self, task: RenderTask):
+        self.task = task
+        self._left = len(task.segments)
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        if self._left == 0:
+            self._done.set()
+
+    def segment_finished(self) -> None:
+        with self._lock:
+            self._left -= 1
+            if self._left <= 0:
+                self._done.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._done.wait(timeout)
+
+
+@dataclass(frozen=True)
+class _Tag:
+    handle: TaskHandle
+    segment: TaskSegment
+    attempt: int
+
+
+class Pipeline:
+    def __init__(self, engine: Engine, storage: Storage, jobs: JobStore, settings: Settings,
+                 on_job_complete: Callable[[str], None], metrics=None):
+        self.engine, self.storage, self.jobs, self.settings = engine, storage, jobs, settings
+        self.on_job_complete = on_job_complete
+        self.metrics = metrics
+        self.intake: queue.Queue[SynthesisRequest | None] = queue.Queue()
+        self.output: queue.Queue[SynthesisResult | None] = queue.Queue(maxsize=settings.output_queue_size)
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._timers: set[threading.Timer] = set()
+        self.engine_waited_s = 0.0  # time the engine spent blocked on a full output queue
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> "Pipeline":
+        observe = self.metrics.batch_done if self.metrics is not None else None
+        t = threading.Thread(target=self.engine.serve, args=(self.intake, self._emit, self._stop, observe),
+                             name="engine", daemon=True)
+        self._threads.append(t)
+        for i in range(self.settings.upload_threads):
+            self._threads.append(threading.Thread(target=self._upload_loop, name=f"upload-{i}", daemon=True))
+        for t in self._threads:
+            t.start()
+        return self
+
+    def stop(self) -> None:
+        self.intake.put(None)
+        self._stop.set()
+        for _ in range(self.settings.upload_threads):
+            self.output.put(None)
+        for timer in list(self._timers):
+            timer.cancel()
+        for t in self._threads:
+            t.join(timeout=30)
+
+    def __enter__(self) -> "Pipeline":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # -- intake ------------------------------------------------------------------------------
+    def submit(self, task: RenderTask) -> TaskHandle:
+        """Queue a task's segments for rendering; segments already stored are not rendered again."""
+        handle = TaskHandle(task)
+        state = self.jobs.state(task.job_id)
+        for seg in task.segments:
+            if state in (None, "cancelled") or self._already_stored(task, seg):
+                handle.segment_finished()
+                continue
+            self._enqueue(handle, seg)
+        return handle
+
+    def _already_stored(self, task: RenderTask, seg: TaskSegment) -> bool:
+        if self.jobs.is_done(task.job_id, seg.id):
+            return True
+        if not self.storage.exists(seg.key):
+            return False
+        # Stored by an earlier delivery that died before recording it: record it now, don't re-render.
+        info = sf.info(io.BytesIO(self.storage.get(seg.key)))
+        self._record(task.job_id, seg.id, audio_s=info.frames / info.samplerate)
+        return True
+
+    def _enqueue(self, handle: TaskHandle, seg: TaskSegment) -> None:
+        task = handle.task
+        attempt = self.jobs.begin_attempt(task.job_id, seg.id)
+        if attempt > self.settings.max_attempts:
+            # A poison segment (or one whose workers kept dying): give up instead of looping.
+            error = self.jobs.last_error(task.job_id, seg.id) or "worker lost while rendering"
+            self._record(task.job_id, seg.id, error=f"gave up after {attempt - 1} attempts: {error}")
+            handle.segment_finished()
+            return
+        self.intake.put(SynthesisRequest(seg.id, seg.text, task.voice, seg.seed, task.params,
+                                         tag=_Tag(handle, seg, attempt)))
+        if self.metrics is not None:
+            self.metrics.queue_depths(self.intake.qsize(), self.output.qsize())
+
+    def _emit(self, result: SynthesisResult) -> None:
+        try:
+            self.output.put_nowait(result)
+        except queue.Full:
+            t0 = time.perf_counter()
+            self.output.put(result)
+            self.engine_waited_s += time.perf_counter() - t0
+
+    # -- output ------------------------------------------------------------------------------
+    def _upload_loop(self) -> None:
+        while True:
+            result = self.output.get()
+            if result is None:
+                return
+            tag: _Tag = result.request.tag
+            try:
+                if result.error is not None:
+                    raise RuntimeError(result.error)
+                self._store(tag, result)
+            except Exception as e:  # noqa: BLE001 - every failure goes through the one retry path
+                self._failed_attempt(tag, f"{type(e).__name__}: {e}" if result.error is None else result.error)
+
+    def _store(self, tag: _Tag, result: SynthesisResult) -> None:
+        task, seg = tag.handle.task, tag.segment
+        t0 = time.perf_counter()
+        data = encode(result.audio, self.engine.sample_rate, task.format)
+        self.storage.put(seg.key, data, content_type(task.format))
+        audio_s = len(result.audio) / self.engine.sample_rate
+        if self.metrics is not None:
+            self.metrics.segment_stored(audio_s, time.perf_counter() - t0)
+        self._record(task.job_id, seg.id, audio_s=audio_s)
+        tag.handle.segment_finished()
+
+    def _failed_attempt(self, tag: _Tag, error: str) -> None:
+        task, seg = tag.handle.task, tag.segment
+        log.warning("segment %s/%s attempt %d failed: %s", task.job_id, seg.id, tag.attempt, error)
+        self.jobs.note_error(task.job_id, seg.id, error)
+        if self.metrics is not None:
+            self.metrics.segment_failed()
+        if tag.attempt >= self.settings.max_attempts:
+            self._record(task.job_id, seg.id, error=error)
+            tag.handle.segment_finished()
+            return
+        delay = backoff_s(tag.attempt, self.settings.retry_backoff_ms, self.settings.retry_backoff_max_ms)
+        timer = threading.Timer(delay, self._retry, args=(tag,))
+        timer.daemon = True
+        self._timers.add(timer)
+        timer.start()
+
+    def _retry(self, tag: _Tag) -> None:
+        self._timers.discard(threading.current_thread())  # type: ignore[arg-type]
+        if self.jobs.state(tag.handle.task.job_id) in (None, "cancelled"):
+            tag.handle.segment_finished()
+            return
+        self._enqueue(tag.handle, tag.segment)
+
+    def _record(self, job_id: str, seg_id: str, *, audio_s: float = 0.0, error: str | None = None) -> None:
+        """Record a segment's outcome; the call that finishes a job's last segment triggers assembly."""
+        if self.jobs.finish(job_id, seg_id, audio_s=audio_s, error=error) == 1:
+            self.on_job_complete(job_id)
