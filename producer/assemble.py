@@ -31,7 +31,9 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
-from collections import defaultdict
+from collections import defaultdict, deque
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
@@ -47,6 +49,10 @@ from voxbatch.settings import Settings
 from voxbatch.storage import Storage, StorageError
 
 log = logging.getLogger(__name__)
+
+# Segment objects fetched ahead of the one being written: hides S3 round trips (a 10k-segment book
+# read one GET at a time spends minutes waiting) while bounding memory to this many encoded segments.
+PREFETCH = 8
 
 
 class SegmentAudioError(ValueError):
@@ -127,6 +133,26 @@ class _BookPcm:
         self._f.close()
 
 
+def _fetch_ahead(pool: ThreadPoolExecutor, storage: Storage, keys_: list[str]) -> Iterator[tuple[str, Future]]:
+    """(key, future of its bytes) in order, with up to PREFETCH GETs in flight."""
+    pending: deque[tuple[str, Future]] = deque()
+    todo = iter(keys_)
+    try:
+        for key in todo:
+            pending.append((key, pool.submit(storage.get, key)))
+            if len(pending) >= PREFETCH:
+                break
+        while pending:
+            key, fut = pending.popleft()
+            nxt = next(todo, None)
+            if nxt is not None:
+                pending.append((nxt, pool.submit(storage.get, nxt)))
+            yield key, fut
+    finally:
+        for _, fut in pending:  # the chapter stopped early: GETs not yet started are not needed
+            fut.cancel()
+
+
 def _segments_by_chapter(spec: JobSpec) -> dict[int, list[Segment]]:
     chapters: dict[int, list[Segment]] = defaultdict(list)
     for seg in spec.segments:
@@ -145,6 +171,7 @@ def _assemble_chapter(
     settings: Settings,
     out_path: Path,
     book: _BookPcm | None,
+    pool: ThreadPoolExecutor,
 ) -> _AssembledChapter:
     """Stream one chapter's segments into `out_path` (and the book), placing each at its sample.
 
@@ -153,11 +180,12 @@ def _assemble_chapter(
     """
     chapter = _AssembledChapter(index=index, length=0)
     writer = None
+    seg_keys = [keys.segment(spec.id, s.chapter, s.index, spec.format) for s in segments]
+    fetches = _fetch_ahead(pool, storage, seg_keys)
     try:
-        for i, seg in enumerate(segments):
-            key = keys.segment(spec.id, seg.chapter, seg.index, spec.format)
+        for i, (seg, (key, fetched)) in enumerate(zip(segments, fetches)):
             try:
-                data = storage.get(key)
+                data = fetched.result()
             except KeyError:
                 raise _ChapterFailed(seg.id, f"missing from storage: {storage.describe(key)}") from None
             try:
@@ -177,6 +205,7 @@ def _assemble_chapter(
             chapter.placed.append(_Placed(seg, key, start, len(audio)))
             chapter.length = start + len(audio)
     finally:
+        fetches.close()
         if writer is not None:
             writer.close()
     return chapter
@@ -222,6 +251,7 @@ def assemble_job(
     with tempfile.TemporaryDirectory(prefix=f"voxbatch-assemble-{spec.id}-") as tmp_dir:
         tmp = Path(tmp_dir)
         book = _BookPcm(tmp / "book.f32") if ffmpeg else None
+        pool = ThreadPoolExecutor(PREFETCH, thread_name_prefix="assemble-get")
         try:
             for index, title in enumerate(spec.chapters):
                 book_start[index] = book_length
@@ -231,7 +261,9 @@ def assemble_job(
                     out_path = tmp / f"chapter-{index:04d}.{fmt}"
                     mark = book.mark() if book else 0
                     try:
-                        chapter = _assemble_chapter(storage, spec, index, segments, timeline, settings, out_path, book)
+                        chapter = _assemble_chapter(
+                            storage, spec, index, segments, timeline, settings, out_path, book, pool
+                        )
                     except _ChapterFailed as e:
                         failed[e.segment_id] = e.error
                         log.warning("job %s: chapter %d not assembled: %s", spec.id, index, e)
@@ -251,6 +283,7 @@ def assemble_job(
                 for key in (chapter_key, keys.subtitles(spec.id, index, "srt"), keys.subtitles(spec.id, index, "vtt")):
                     storage.delete(key)  # both backends accept a missing key
         finally:
+            pool.shutdown(cancel_futures=True)
             if book:
                 book.close()
 
