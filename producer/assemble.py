@@ -218,6 +218,32 @@ def _cues(chapter: _AssembledChapter, sample_rate: int) -> list[Cue]:
     ]
 
 
+def _write_book(
+    storage: Storage,
+    spec: JobSpec,
+    ffmpeg: str,
+    book: _BookPcm,
+    timeline: _Timeline,
+    assembled: dict[int, _AssembledChapter],
+    book_start: dict[int, int],
+    tmp: Path,
+) -> str:
+    """Encode the book's PCM into an .m4b with one marker per assembled chapter; return its key."""
+    sr = timeline.sample_rate
+    marks = [
+        m4b.ChapterMark(
+            spec.chapters[index],
+            samples_to_ms(book_start[index], sr),
+            samples_to_ms(book_start[index] + chapter.length, sr),
+        )
+        for index, chapter in assembled.items()
+    ]
+    out = tmp / "book.m4b"
+    m4b.encode_m4b(ffmpeg, book.path, sr, timeline.channels, spec.name, marks, out)
+    storage.put_file(keys.book(spec.id), out, content_type("m4b"))
+    return keys.book(spec.id)
+
+
 def assemble_job(
     storage: Storage,
     spec: JobSpec,
@@ -290,15 +316,7 @@ def assemble_job(
         sr = timeline.sample_rate or 0
         book_key = None
         if book and assembled:
-            marks = []
-            for index in assembled:
-                start = samples_to_ms(book_start[index], sr)
-                end = samples_to_ms(book_start[index] + assembled[index].length, sr)
-                marks.append(m4b.ChapterMark(spec.chapters[index], start, end))
-            out = tmp / "book.m4b"
-            m4b.encode_m4b(ffmpeg, book.path, sr, timeline.channels, spec.name, marks, out)
-            book_key = keys.book(spec.id)
-            storage.put_file(book_key, out, content_type("m4b"))
+            book_key = _write_book(storage, spec, ffmpeg, book, timeline, assembled, book_start, tmp)
         else:
             storage.delete(keys.book(spec.id))
 
