@@ -1,0 +1,318 @@
+"""Parity of our CosyVoice2 LLM, sampler, tokenizer and torch backend with the official implementation.
+
+References come from `cosyvoice2-tiny/reference.npz` (official code, fp32 CPU, 1 thread). Tolerances:
+- input embeddings (`llm_lm_input`, `e2e_lm_input`): exact (they are row gathers);
+- log-probs (teacher-forced full path, KV-cache path, greedy `weighted_scores`): 1e-4 abs on finite
+  entries, and -inf exactly where the reference has -inf (the fixture README suggests 1e-4; we reach
+  0 on the full path and ~5e-6 on the cache path);
+- greedy tokens: exact (smallest top-1/top-2 gap in the reference is 0.135);
+- official-RNG replay of `e2e_speech_token`: exact (bit-exact logits are needed for the multinomial draws);
+- tokenizer ids: exact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from worker.cosyvoice2.checkpoint import ModelDirError
+from worker.cosyvoice2.llm import CosyVoice2LM, LlmDims
+from worker.cosyvoice2.llm_backend import LlmRequest
+from worker.cosyvoice2.sampling import OfficialRas, RasConfig, mask_eos, ras_sample, seed_keys, uniforms
+from worker.cosyvoice2.tokenizer import CosyVoice2Tokenizer
+from worker.cosyvoice2.torch_backend import TorchLlmBackend
+
+LOGP_ATOL = 1e-4
+
+
+def _fixture_dir() -> Path:
+    root = os.environ.get("VOXBATCH_FIXTURES") or str(Path(__file__).resolve().parents[1].parent / "shared" / "fixtures")
+    return Path(root) / "cosyvoice2-tiny"
+
+
+FIXTURE = _fixture_dir()
+pytestmark = pytest.mark.skipif(not (FIXTURE / "reference.npz").is_file(), reason=f"fixture not found at {FIXTURE} (set VOXBATCH_FIXTURES)")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """The references were made with 1 intra-op thread; the test machine is shared."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def ref() -> dict[str, np.ndarray]:
+    with np.load(FIXTURE / "reference.npz") as z:
+        return {k: z[k] for k in z.files}
+
+
+@pytest.fixture(scope="module")
+def meta() -> dict:
+    return json.loads((FIXTURE / "reference_meta.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def model() -> CosyVoice2LM:
+    m = CosyVoice2LM.from_model_dir(FIXTURE)
+    m.setup_cache(batch_max=4, seq_max=256)
+    return m
+
+
+@pytest.fixture(scope="module")
+def backend() -> TorchLlmBackend:
+    return TorchLlmBackend.from_model_dir(FIXTURE, max_batch=4, max_seq=256)
+
+
+def _llm_prompt(ref) -> tuple[list[int], list[int]]:
+    return ref["llm_prompt_text_token"].tolist() + ref["llm_text_token"].tolist(), ref["llm_prompt_speech_token"].tolist()
+
+
+def _assert_logp_close(got: torch.Tensor, want: np.ndarray) -> None:
+    want_t = torch.from_numpy(want)
+    finite = torch.isfinite(want_t)
+    assert torch.equal(torch.isfinite(got), finite), "-inf entries differ"
+    err = (got[finite] - want_t[finite]).abs().max().item()
+    assert err <= LOGP_ATOL, f"max |diff| {err:.3g} > {LOGP_ATOL}"
+
+
+# -- dimensions and loading ------------------------------------------------------------------------
+
+
+def test_dims_come_from_config_and_yaml(meta):
+    d = LlmDims.from_model_dir(FIXTURE)
+    assert (d.hidden, d.intermediate, d.n_layers, d.n_heads, d.n_kv_heads, d.head_dim) == (128, 256, 2, 4, 2, 32)
+    assert d.rope_theta == 1e6 and d.speech_token_size == 300
+    assert list(d.stop_ids) == meta["llm"]["stop_ids"] and d.eos_id == meta["llm"]["eos_id"]
+    assert RasConfig.from_model_dir(FIXTURE) == RasConfig(top_p=0.8, top_k=25, win_size=10, tau_r=0.1)
+
+
+def _model_dir_with(tmp_path: Path, state: dict[str, torch.Tensor]) -> Path:
+    (tmp_path / "CosyVoice-BlankEN").mkdir()
+    shutil.copy(FIXTURE / "CosyVoice-BlankEN" / "config.json", tmp_path / "CosyVoice-BlankEN" / "config.json")
+    shutil.copy(FIXTURE / "cosyvoice2.yaml", tmp_path / "cosyvoice2.yaml")
+    torch.save(state, tmp_path / "llm.pt")
+    return tmp_path
+
+
+def test_strict_keys_error_names_the_file(tmp_path):
+    state = torch.load(FIXTURE / "llm.pt", weights_only=True)
+    del state["llm_decoder.bias"]
+    state["llm.extra.weight"] = torch.zeros(1)
+    model_dir = _model_dir_with(tmp_path, state)
+    with pytest.raises(ModelDirError, match=r"llm\.pt.*llm_decoder\.bias") as info:
+        CosyVoice2LM.from_model_dir(model_dir)
+    assert "llm.extra.weight" in str(info.value)
+
+
+def test_shape_mismatch_error_names_the_file(tmp_path):
+    state = torch.load(FIXTURE / "llm.pt", weights_only=True)
+    state["speech_embedding.weight"] = torch.zeros(10, 128)
+    with pytest.raises(ModelDirError, match=r"llm\.pt: speech_embedding\.weight has shape"):
+        CosyVoice2LM.from_model_dir(_model_dir_with(tmp_path, state))
+
+
+def test_weights_come_from_llm_pt_not_the_decoy(model):
+    from safetensors.torch import load_file
+
+    decoy = load_file(str(FIXTURE / "CosyVoice-BlankEN" / "model.safetensors"))
+    ours = model.body.embed_tokens.weight
+    assert not any(t.shape == ours.shape and torch.allclose(t.float(), ours, atol=1e-2) for t in decoy.values())
+
+
+# -- the input sequence ----------------------------------------------------------------------------
+
+
+def test_lm_input_matches_reference(model, ref):
+    embeds, lengths = model.embed_batch([_llm_prompt(ref)])
+    assert lengths.tolist() == [47]
+    assert torch.equal(embeds, torch.from_numpy(ref["llm_lm_input"]))
+
+
+def test_e2e_lm_input_matches_reference(model, ref):
+    text = ref["e2e_prompt_text_token"][0].tolist() + ref["e2e_text_token"][0].tolist()
+    embeds, _ = model.embed_batch([(text, ref["e2e_prompt_speech_token"][0].tolist())])
+    assert torch.equal(embeds, torch.from_numpy(ref["e2e_lm_input"]))
+
+
+# -- teacher forcing and greedy decoding -----------------------------------------------------------
+
+
+@torch.inference_mode()
+def test_teacher_forced_full_path(model, ref):
+    forced = torch.from_numpy(ref["llm_forced_speech_token"]).long()
+    embeds, _ = model.embed_batch([_llm_prompt(ref)])
+    seq = torch.cat([embeds, model.speech_embedding(forced)[None]], dim=1)  # (1, 87, D)
+    _assert_logp_close(model(seq, torch.tensor([seq.shape[1]]))[0], ref["llm_tf_logp"])
+
+
+@torch.inference_mode()
+def test_teacher_forced_kv_cache_path(model, ref):
+    forced = ref["llm_forced_speech_token"].tolist()
+    embeds, lengths = model.embed_batch([_llm_prompt(ref)])
+    L = embeds.shape[1]
+    rows = [model.prefill(embeds, lengths, all_positions=True)[0]]  # (47, V)
+    for i, tok in enumerate(forced):
+        rows.append(model.decode_step(torch.tensor([tok]), torch.tensor([L + i]), kv_len=L + i + 1))
+    _assert_logp_close(torch.cat(rows), ref["llm_tf_logp_step"])
+
+
+@torch.inference_mode()
+def test_teacher_forced_kv_cache_path_full_cache_width(model, ref):
+    """The compiled decode step attends over the whole cache (masked): same numbers."""
+    forced = ref["llm_forced_speech_token"].tolist()[:8]
+    embeds, lengths = model.embed_batch([_llm_prompt(ref)])
+    L = embeds.shape[1]
+    rows = [model.prefill(embeds, lengths)]
+    for i, tok in enumerate(forced):
+        rows.append(model.decode_step(torch.tensor([tok]), torch.tensor([L + i])))
+    _assert_logp_close(torch.cat(rows), ref["llm_tf_logp_step"][L - 1 : L + len(forced)])
+
+
+@torch.inference_mode()
+def test_greedy_tokens_and_logp(model, ref, meta):
+    min_len = meta["llm"]["min_len"]
+    embeds, lengths = model.embed_batch([_llm_prompt(ref)])
+    L = embeds.shape[1]
+    logp, tokens, scores = model.prefill(embeds, lengths), [], []
+    for i in range(40):
+        masked = mask_eos(logp, torch.tensor([i]), torch.tensor([min_len]), model.dims.eos_id)
+        scores.append(masked)
+        tokens.append(int(masked.argmax(-1)))
+        logp = model.decode_step(torch.tensor([tokens[-1]]), torch.tensor([L + i]), kv_len=L + i + 1)
+    assert tokens == ref["llm_greedy_tokens"].tolist()
+    _assert_logp_close(torch.cat(scores), ref["llm_greedy_logp"])
+
+
+def test_backend_greedy_tokens(backend, ref, meta):
+    text, speech = _llm_prompt(ref)
+    req = LlmRequest(text, speech, min_tokens=meta["llm"]["min_len"], max_tokens=40, seed=0, greedy=True)
+    (result,) = list(backend.generate([req]))
+    assert result.index == 0 and result.tokens == ref["llm_greedy_tokens"].tolist()
+
+
+def test_official_rng_replay_of_e2e_tokens(model, ref, meta):
+    """Bonus: torch.manual_seed + the official multinomial order reproduce e2e_speech_token exactly."""
+    e2e = meta["e2e"]
+    text = ref["e2e_prompt_text_token"][0].tolist() + ref["e2e_text_token"][0].tolist()
+    sampler = OfficialRas(RasConfig.from_model_dir(FIXTURE))
+    m = CosyVoice2LM.from_model_dir(FIXTURE)
+    m.setup_cache(batch_max=1, seq_max=1024)
+    with torch.inference_mode():
+        embeds, lengths = m.embed_batch([(text, ref["e2e_prompt_speech_token"][0].tolist())])
+        L, out = embeds.shape[1], []
+        torch.manual_seed(e2e["seed"])
+        logp = m.prefill(embeds, lengths)
+        for i in range(e2e["max_len"]):
+            masked = mask_eos(logp, torch.tensor([i]), torch.tensor([e2e["min_len"]]), m.dims.eos_id)
+            tok = sampler(masked[0], out)
+            if tok in m.dims.stop_ids:
+                break
+            out.append(tok)
+            logp = m.decode_step(torch.tensor([tok]), torch.tensor([L + i]), kv_len=L + i + 1)
+    assert out == ref["e2e_speech_token"][0].tolist()
+
+
+# -- batching --------------------------------------------------------------------------------------
+
+
+def _mixed_requests(ref, greedy: bool) -> list[LlmRequest]:
+    text, speech = _llm_prompt(ref)
+    return [
+        LlmRequest(text, speech, min_tokens=24, max_tokens=40, seed=11, greedy=greedy),
+        LlmRequest(text[:5], [], min_tokens=3, max_tokens=30, seed=12, greedy=greedy),
+        LlmRequest(text[3:], speech[:7], min_tokens=10, max_tokens=50, seed=13, greedy=greedy),
+    ]
+
+
+@pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "ras"])
+def test_batched_equals_single(backend, ref, greedy):
+    """Greedy: batching must not change tokens. RAS: a segment's seed alone decides its tokens."""
+    reqs = _mixed_requests(ref, greedy)
+    batched = {r.index: r.tokens for r in backend.generate(reqs)}
+    single = [next(iter(backend.generate([q]))).tokens for q in reqs]
+    assert sorted(batched) == [0, 1, 2]
+    assert [batched[i] for i in range(3)] == single
+    assert len({len(t) for t in single}) > 1, "requests should stop at different lengths"
+    for q, toks in zip(reqs, single):
+        assert len(toks) <= q.max_tokens and all(0 <= t < 300 for t in toks)
+
+
+def test_ras_seed_changes_tokens_and_order_does_not(backend, ref):
+    reqs = _mixed_requests(ref, greedy=False)
+    first = {r.index: r.tokens for r in backend.generate(reqs)}
+    rev = {r.index: r.tokens for r in backend.generate(reqs[::-1])}
+    assert [rev[2 - i] for i in range(3)] == [first[i] for i in range(3)]
+    reseeded = LlmRequest(**{**reqs[0].__dict__, "seed": 99})
+    assert next(iter(backend.generate([reseeded]))).tokens != first[0]
+
+
+def test_max_tokens_and_validation(backend, ref):
+    text, speech = _llm_prompt(ref)
+    (r,) = list(backend.generate([LlmRequest(text, speech, min_tokens=5, max_tokens=5, seed=1)]))
+    assert len(r.tokens) == 5  # eos masked for all 5 steps, so the cap stops it
+    with pytest.raises(ValueError, match="request 0: prompt"):
+        list(backend.generate([LlmRequest(text, speech, min_tokens=0, max_tokens=1000, seed=1)]))
+
+
+# -- the sampler -----------------------------------------------------------------------------------
+
+
+def test_uniforms_are_counter_based():
+    keys = seed_keys([1, 2, 1, 2**40 + 1], "cpu")
+    u = uniforms(keys, 5, 1)
+    assert u[0] == u[2] and u[0] != u[1] and u[0] != u[3]
+    assert not torch.equal(uniforms(keys, 6, 1), u) and not torch.equal(uniforms(keys, 5, 2), u)
+    many = uniforms(seed_keys([7] * 1, "cpu").expand(20000), torch.arange(20000), 1)
+    assert 0.0 <= many.min() and many.max() < 1.0 and abs(many.mean().item() - 0.5) < 0.01
+
+
+def test_ras_sample_matches_its_closed_form():
+    """Monte-Carlo the two-step procedure on a 6-token distribution, with and without a repeat."""
+    probs = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.06, 0.04])
+    logp = probs.log()[None].expand(40000, 6)
+    u = uniforms(seed_keys([3], "cpu").expand(40000), torch.arange(40000), 1)
+    u2 = uniforms(seed_keys([3], "cpu").expand(40000), torch.arange(40000), 2)
+    # nucleus with top_p 0.7: keeps 0.4, 0.25, 0.15 (mass before each < 0.7); top_k 25
+    nucleus = torch.tensor([0.4, 0.25, 0.15, 0, 0, 0]) / 0.8
+    recent = torch.full((40000, 10), -1)
+    got = torch.bincount(ras_sample(logp, recent, u, u2, top_p=0.7), minlength=6) / 40000
+    assert (got - nucleus).abs().max() < 0.01
+    recent[:, -1] = 0  # token 0 repeated once in the window: 1 >= 10 * 0.1, so it is redrawn from the full softmax
+    want = nucleus.clone()
+    want[0] = 0
+    want += nucleus[0] * probs
+    got = torch.bincount(ras_sample(logp, recent, u, u2, top_p=0.7), minlength=6) / 40000
+    assert (got - want).abs().max() < 0.01
+
+
+# -- tokenizer -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", ["tokenizer.json", "vocab+merges"])
+def test_tokenizer_encode_tests(meta, tmp_path, layout):
+    folder = FIXTURE / "CosyVoice-BlankEN"
+    if layout == "vocab+merges":
+        for name in ("vocab.json", "merges.txt", "tokenizer_config.json"):
+            shutil.copy(folder / name, tmp_path / name)
+        folder = tmp_path
+    tok = CosyVoice2Tokenizer(folder)
+    assert len(tok) == meta["tokenizer"]["len_with_specials"]
+    assert {t: tok.token_id(t) for t in meta["tokenizer"]["special_ids"]} == meta["tokenizer"]["special_ids"]
+    for case in meta["tokenizer"]["encode_tests"]:
+        assert tok.encode(case["text"]) == case["ids"], case["text"]
+    assert tok.token_length(meta["tokenizer"]["encode_tests"][0]["text"]) == len(meta["tokenizer"]["encode_tests"][0]["ids"])
+
+
+def test_tokenizer_reproduces_e2e_text_tokens(ref, meta):
+    tok = CosyVoice2Tokenizer.from_model_dir(FIXTURE)
+    assert tok.encode(meta["e2e"]["normalized_text_segments"][0]) == ref["e2e_text_token"][0].tolist()
+    assert tok.encode(meta["e2e"]["prompt_text_normalized"]) == ref["e2e_prompt_text_token"][0].tolist()
