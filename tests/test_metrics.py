@@ -77,7 +77,7 @@ def redis_url(tmp_path_factory) -> Iterator[str]:
 
 def test_worker_metrics_over_http():
     m = Metrics(worker="w1", gpu="0")
-    server = m.start_http_server(0, addr="127.0.0.1")
+    server = m.serve(0, addr="127.0.0.1")
     try:
         m.batch_done(size=8, audio_s=20.0, wall_s=2.0)
         m.batch_done(size=3, audio_s=0.0, wall_s=0.5)  # no audio: no RTF sample, but the size counts

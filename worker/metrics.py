@@ -151,10 +151,12 @@ class Metrics:
         self.intake_queue_depth.set_function(intake.qsize)
         self.output_queue_depth.set_function(output.qsize)
 
-    def start_http_server(self, port: int, addr: str = "0.0.0.0") -> ThreadingWSGIServer:
+    def serve(self, port: int, addr: str = "0.0.0.0") -> ThreadingWSGIServer:
         """Serve this registry on `http://addr:port/metrics` from a daemon thread; returns the server
         (call `.shutdown()` to stop it; `.server_port` is the bound port when `port` is 0)."""
         return serve(make_wsgi_app(self.registry), port, addr)
+
+    start_http_server = serve
 
 
 # -- the load exporter --------------------------------------------------------------------------
