@@ -40,13 +40,15 @@ class _Wave:
         self.tokens = torch.zeros((B, self.steps), dtype=torch.long, device=dev)  # (B, steps) decoded ids
         self.n_out = torch.zeros(B, dtype=torch.long, device=dev)
         self.alive = torch.ones(B, dtype=torch.bool, device=dev)
+        self.step_t = torch.zeros((), dtype=torch.long, device=dev)  # the step counter the uniforms hash, kept on device
 
     @torch.inference_mode()
     def step(self, s: int) -> None:
         """Sample token s of every alive row from `self.logp`, then run the decode step for s + 1."""
         d = self.model.dims
         logp = mask_eos(self.logp, self.n_out, self.min_tokens, d.eos_id)
-        tok = self.sampler(logp, self.recent, s)  # alive rows have decoded exactly s tokens
+        tok = self.sampler(logp, self.recent, self.step_t)  # alive rows have decoded exactly s tokens
+        self.step_t += 1
         appended = self.alive & (tok < d.speech_token_size)  # any of the three stop ids ends a row
         self.tokens[:, s] = tok
         self.n_out += appended
