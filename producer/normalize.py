@@ -1,0 +1,335 @@
+"""Text normalization before segmentation: what the speaker should read, in words.
+
+Per paragraph: detect Chinese vs English, run text normalization (TN: numbers, dates, units, symbols to
+words) with `wetext` when it is installed, then the cleanups of the official CosyVoice2 frontend:
+
+- zh: blanks removed except between two ASCII words (between two Han characters: "，"), ²/³ to 平方/立方, sentence dots to "。",
+  " - " to "，", full-width brackets and backticks removed, dashes ("——", "—") to "，", a trailing
+  comma turned into "。";
+- en: numbers left over by TN spelled out, whitespace collapsed.
+
+`wetext` (FST grammars shipped inside the wheel, works offline) is an optional dependency of the
+producer: without it a light rule-based TN of our own is used (`light_tn_en`, `light_tn_zh`).
+
+Deviations from the official frontend, on purpose:
+- a paragraph is Chinese when it has at least as many Han characters as Latin words (official: any Han
+  character), so an English paragraph quoting a Chinese name keeps English rules;
+- "——" becomes "，" (official: a space, left between Chinese characters) so the dash stays a pause;
+- a "." between two ASCII letters/digits ("v2.0", "example.com") is not turned into "。".
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+import unicodedata
+from typing import Literal
+
+Lang = Literal["zh", "en"]
+
+log = logging.getLogger(__name__)
+
+_HAN = re.compile(r"[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]")
+_LATIN_WORD = re.compile(r"[A-Za-z]+(?:'[A-Za-z]+)?")
+_INVISIBLE = re.compile(r"[\u200b-\u200f\u2028\u2029\u2060\ufeff\u00ad]")
+
+
+def detect_lang(text: str) -> Lang:
+    """"zh" when Han characters are at least as many as Latin words, else "en"."""
+    han = len(_HAN.findall(text))
+    return "zh" if han and han >= len(_LATIN_WORD.findall(text)) else "en"
+
+
+def contains_chinese(text: str) -> bool:
+    return _HAN.search(text) is not None
+
+
+def is_only_punctuation(text: str) -> bool:
+    """True when nothing is left to speak: only punctuation, symbols and blanks (or nothing at all)."""
+    return all(unicodedata.category(c)[0] in "PSZ" or c.isspace() for c in text)
+
+
+def normalize_text(text: str, lang: Lang | None = None, *, use_wetext: bool = True) -> str:
+    """Normalize one paragraph (newlines inside are treated as blanks)."""
+    text = _INVISIBLE.sub("", text)
+    text = " ".join(text.split())
+    if not text:
+        return ""
+    lang = lang or detect_lang(text)
+    return _normalize_zh(text, use_wetext) if lang == "zh" else _normalize_en(text, use_wetext)
+
+
+# --------------------------------------------------------------------------------------------------------
+# wetext (optional)
+
+
+@functools.lru_cache(maxsize=2)
+def _wetext_normalizer(lang: Lang):
+    """A cached wetext Normalizer, or None when wetext is not installed."""
+    try:
+        from wetext import Normalizer
+    except ImportError:
+        log.info("wetext is not installed: using the light built-in text normalization")
+        return None
+    return Normalizer(lang=lang, operator="tn", remove_erhua=False)
+
+
+def wetext_available() -> bool:
+    return _wetext_normalizer("en") is not None
+
+
+def _wetext(text: str, lang: Lang) -> str | None:
+    """wetext TN of one paragraph, or None (not installed, or it failed on this input)."""
+    normalizer = _wetext_normalizer(lang)
+    if normalizer is None:
+        return None
+    try:
+        out = normalizer.normalize(text)
+    except Exception as e:  # third-party FST code with internal asserts; fall back rather than fail a book
+        log.warning("wetext failed on %r (%s: %s); using the light normalization", text[:80], type(e).__name__, e)
+        return None
+    # wetext escapes ASCII double quotes in its output.
+    return out.replace('\\"', '"') if '\\"' not in text else out
+
+
+# --------------------------------------------------------------------------------------------------------
+# English
+
+
+_ONES = "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen seventeen eighteen nineteen".split()
+_TENS = "_ _ twenty thirty forty fifty sixty seventy eighty ninety".split()
+_SCALES = ["", "thousand", "million", "billion", "trillion"]
+_ORDINAL_IRREGULAR = {"one": "first", "two": "second", "three": "third", "five": "fifth", "eight": "eighth",
+                      "nine": "ninth", "twelve": "twelfth"}
+
+
+def _below_thousand(n: int) -> str:
+    hundreds, rest = divmod(n, 100)
+    words = []
+    if hundreds:
+        words.append(f"{_ONES[hundreds]} hundred")
+    if rest:
+        tens, ones = divmod(rest, 10)
+        part = _ONES[rest] if rest < 20 else _TENS[tens] + (f"-{_ONES[ones]}" if ones else "")
+        words.append(("and " if hundreds else "") + part)
+    return " ".join(words)
+
+
+def number_to_words(n: int) -> str:
+    """Cardinal in the style of `inflect` (which the official frontend uses): 1234 ->
+    "one thousand, two hundred and thirty-four"; numbers of 16+ digits are read digit by digit."""
+    if n < 0:
+        return "minus " + number_to_words(-n)
+    if n < 1000:
+        return _ONES[n] if n < 20 else _below_thousand(n)
+    if n >= 10 ** (3 * len(_SCALES)):
+        return " ".join(_ONES[int(d)] for d in str(n))
+    groups = []
+    scale = 0
+    while n:
+        n, g = divmod(n, 1000)
+        groups.append((g, scale))
+        scale += 1
+    parts = [(g, f"{_below_thousand(g)} {_SCALES[s]}".strip()) for g, s in reversed(groups) if g]
+    out = parts[0][1]
+    for k, (g, words) in enumerate(parts[1:], start=1):
+        last = k == len(parts) - 1
+        out += (" and " if last and g < 100 and groups[0][0] == g else ", ") + words
+    return out
+
+
+def ordinal_to_words(n: int) -> str:
+    words = number_to_words(n)
+    head, sep, last = words.rpartition(" ") if " " in words else ("", "", words)
+    prefix, hy, unit = last.rpartition("-")
+    if unit in _ORDINAL_IRREGULAR:
+        unit = _ORDINAL_IRREGULAR[unit]
+    elif unit.endswith("y"):
+        unit = unit[:-1] + "ieth"
+    else:
+        unit += "th"
+    return head + sep + prefix + hy + unit
+
+
+def _digits_en(digits: str) -> str:
+    return " ".join(_ONES[int(d)] for d in digits)
+
+
+_GROUPED = re.compile(r"(?<![\d.,])\d{1,3}(?:,\d{3})+(?![\d]|[.,]\d)")
+_MONEY = re.compile(r"([$£€])(\d{1,3}(?:,\d{3})+|\d+)(?:\.(\d{2}))?(?!\d)")
+_YEARISH = re.compile(r"(?<![\d.,])1[1-9]\d\d(?![\d]|[.,]\d)")
+_PERCENT = re.compile(r"(\d+(?:\.\d+)?)\s?%")
+_ORDINAL = re.compile(r"\b(\d+)(st|nd|rd|th)\b", re.IGNORECASE)
+_DECIMAL = re.compile(r"(?<![\d.])(\d+)\.(\d+)(?![.\d])")
+_DIGITS = re.compile(r"\d+")
+_CURRENCY = {"$": ("dollar", "dollars", "cent", "cents"), "£": ("pound", "pounds", "penny", "pence"),
+             "€": ("euro", "euros", "cent", "cents")}
+
+
+def spell_out_numbers(text: str) -> str:
+    """Every remaining run of ASCII digits to words (the official `spell_out_number` rule)."""
+    return _DIGITS.sub(lambda m: number_to_words(int(m.group())) if len(m.group()) < 16 else _digits_en(m.group()), text)
+
+
+def _money_en(m: re.Match) -> str:
+    one, many, cent, cents = _CURRENCY[m.group(1)]
+    whole = int(m.group(2).replace(",", ""))
+    out = f"{number_to_words(whole)} {one if whole == 1 else many}"
+    if m.group(3) and int(m.group(3)):
+        c = int(m.group(3))
+        out += f" and {number_to_words(c)} {cent if c == 1 else cents}"
+    return out
+
+
+def _decimal_en(m: re.Match) -> str:
+    return f"{number_to_words(int(m.group(1)))} point {_digits_en(m.group(2))}"
+
+
+def _year_en(m: re.Match) -> str:
+    """1100-1999 read in pairs: 1984 -> "nineteen eighty-four", 1900 -> "nineteen hundred"."""
+    high, low = divmod(int(m.group()), 100)
+    if low == 0:
+        return f"{number_to_words(high)} hundred"
+    return f"{number_to_words(high)} {'oh ' + _ONES[low] if low < 10 else number_to_words(low)}"
+
+
+def light_tn_en(text: str) -> str:
+    """Built-in English TN: money, percents, ordinals, decimals, years, then all other numbers."""
+    text = _MONEY.sub(_money_en, text)
+    text = _PERCENT.sub(lambda m: _DECIMAL.sub(_decimal_en, m.group(1)) + " percent", text)
+    text = _ORDINAL.sub(lambda m: ordinal_to_words(int(m.group(1))), text)
+    text = _DECIMAL.sub(_decimal_en, text)
+    text = _YEARISH.sub(_year_en, text)
+    return spell_out_numbers(text)
+
+
+_ROMAN_AFTER = re.compile(r"\b(chapter|part|book|volume|act|scene)\s+([IVXLCDM]+)\b", re.IGNORECASE)
+_ROMAN_VALUES = {"I": 1, "V": 5, "X": 10, "L": 50, "C": 100, "D": 500, "M": 1000}
+
+
+def roman_to_int(numeral: str) -> int:
+    values = [_ROMAN_VALUES[c] for c in numeral.upper()]
+    return sum(-v if i + 1 < len(values) and v < values[i + 1] else v for i, v in enumerate(values))
+
+
+def _normalize_en(text: str, use_wetext: bool) -> str:
+    # "Chapter XII" -> "Chapter twelve": TN leaves roman numerals alone, a speaker would say them as letters.
+    text = _ROMAN_AFTER.sub(lambda m: f"{m.group(1)} {number_to_words(roman_to_int(m.group(2)))}", text)
+    # Money and thousands separators first: wetext 0.1.8 reads "1,234" as "thousand two hundred ..."
+    # (it drops the "one").
+    text = _MONEY.sub(_money_en, text)
+    text = _GROUPED.sub(lambda m: number_to_words(int(m.group().replace(",", ""))), text)
+    out = _wetext(text, "en") if use_wetext else None
+    text = light_tn_en(text) if out is None else spell_out_numbers(out)
+    return " ".join(text.split())
+
+
+# --------------------------------------------------------------------------------------------------------
+# Chinese
+
+
+_ZH_DIGITS = "零一二三四五六七八九"
+_ZH_UNITS = ["", "十", "百", "千"]
+_ZH_SECTIONS = ["", "万", "亿", "万亿"]
+
+
+def _zh_section(n: int) -> str:
+    """0 < n < 10000, with inner zeros read as 零."""
+    out, zero = "", False
+    for power in (3, 2, 1, 0):
+        d = n // 10**power % 10
+        if d == 0:
+            zero = bool(out)
+            continue
+        if zero:
+            out += "零"
+            zero = False
+        out += _ZH_DIGITS[d] + _ZH_UNITS[power]
+    return out
+
+
+def zh_number(n: int) -> str:
+    """Chinese cardinal: 1234 -> 一千二百三十四, 10 -> 十, 100000 -> 十万; 17+ digits read one by one."""
+    if n == 0:
+        return "零"
+    if n >= 10**16:
+        return "".join(_ZH_DIGITS[int(d)] for d in str(n))
+    sections = []
+    k = 0
+    while n:
+        n, s = divmod(n, 10000)
+        sections.append((s, k))
+        k += 1
+    out, gap = "", False
+    for s, k in reversed(sections):
+        if s == 0:
+            gap = bool(out)
+            continue
+        if out and (gap or s < 1000):
+            out += "零"
+        out += _zh_section(s) + _ZH_SECTIONS[k]
+        gap = False
+    return out[1:] if out.startswith("一十") else out
+
+
+def _zh_digits(digits: str) -> str:
+    return "".join(_ZH_DIGITS[int(d)] for d in digits)
+
+
+_ZH_YEAR = re.compile(r"(\d{2,4})(?=年)")
+_ZH_PERCENT = re.compile(r"(\d+(?:\.\d+)?)\s?[%％]")
+_ZH_DECIMAL = re.compile(r"(\d+)\.(\d+)")
+_ZH_MINUS = re.compile(r"(?<![\dA-Za-z])-(?=\d)")
+_ZH_UNITS_MAP = {"℃": "摄氏度", "°C": "摄氏度", "°": "度", "~": "至", "～": "至"}
+
+
+def _zh_decimal(s: str) -> str:
+    m = _ZH_DECIMAL.fullmatch(s)
+    return f"{zh_number(int(m.group(1)))}点{_zh_digits(m.group(2))}" if m else zh_number(int(s))
+
+
+def light_tn_zh(text: str) -> str:
+    """Built-in Chinese TN: years digit by digit, percents, decimals, cardinals."""
+    text = _GROUPED.sub(lambda m: m.group().replace(",", ""), text)
+    text = _ZH_YEAR.sub(lambda m: _zh_digits(m.group(1)), text)
+    text = _ZH_MINUS.sub("负", text)
+    for symbol, words in _ZH_UNITS_MAP.items():
+        text = text.replace(symbol, words)
+    text = _ZH_PERCENT.sub(lambda m: "百分之" + _zh_decimal(m.group(1)), text)
+    text = _ZH_DECIMAL.sub(lambda m: _zh_decimal(m.group()), text)
+    return _DIGITS.sub(lambda m: zh_number(int(m.group())) if len(m.group()) < 17 else _zh_digits(m.group()), text)
+
+
+def remove_blanks_zh(text: str) -> str:
+    """Drop blanks, except a single one between two ASCII non-blank characters ("iPhone 15"); a blank
+    between two Han characters ("第一章 开始") separates like a comma and becomes "，"."""
+    text = " ".join(text.split())
+    out = []
+    for i, c in enumerate(text):
+        if c == " ":
+            before, after = text[i - 1] if i else "", text[i + 1] if i + 1 < len(text) else ""
+            if _HAN.match(before) and _HAN.match(after):
+                out.append("，")
+            if not (before.isascii() and after.isascii() and before and after):
+                continue
+        out.append(c)
+    return "".join(out)
+
+
+_ZH_DOT = re.compile(r"(?<![A-Za-z0-9])\.|\.(?![A-Za-z0-9])")
+_ZH_BRACKETS = str.maketrans("", "", "（）【】`")
+_ZH_DASH = re.compile(r"[—―]+")
+_ZH_TRAILING_COMMA = re.compile(r"[，,、]+$")
+
+
+def _normalize_zh(text: str, use_wetext: bool) -> str:
+    out = _wetext(text, "zh") if use_wetext else None
+    text = light_tn_zh(text) if out is None else out
+    text = remove_blanks_zh(text)
+    text = text.replace("²", "平方").replace("³", "立方")
+    text = _ZH_DOT.sub("。", text)
+    text = text.replace(" - ", "，")
+    text = text.translate(_ZH_BRACKETS)
+    text = _ZH_DASH.sub("，", text)
+    return _ZH_TRAILING_COMMA.sub("。", text)
