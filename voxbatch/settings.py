@@ -44,6 +44,9 @@ class Settings(BaseSettings):
 
     # Engine: "tone" (pipeline test / capacity planning) or "cosyvoice2".
     engine: Literal["tone", "cosyvoice2"] = "tone"
+    # Tone engine only: seconds of compute to simulate per second of audio (0 = as fast as possible);
+    # lets a CPU worker stand in for a GPU of a given real-time factor in tests and capacity planning.
+    tone_rtf: float = Field(0.0, ge=0.0)
     # CosyVoice2 model directory (official layout); None means download from a hub when online.
     model_dir: str | None = None
     # Language-model backend for cosyvoice2.

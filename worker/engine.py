@@ -110,7 +110,7 @@ def build_engine(settings: Settings) -> Engine:
     if settings.engine == "tone":
         from worker.tone import ToneEngine
 
-        return ToneEngine(max_batch=settings.engine_max_batch)
+        return ToneEngine(max_batch=settings.engine_max_batch, rtf=settings.tone_rtf)
     if settings.engine == "cosyvoice2":
         from worker.cosyvoice2.engine import CosyVoice2Engine
 

@@ -10,7 +10,6 @@ retried with backoff, or failed for good after `max_attempts`.
 
 from __future__ import annotations
 
-import io
 import logging
 import queue
 import random
@@ -19,9 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import soundfile as sf
-
-from voxbatch.audio import content_type, encode
+from voxbatch.audio import content_type, encode, probe
 from voxbatch.jobstate import JobStore
 from voxbatch.models import RenderTask, TaskSegment
 from voxbatch.settings import Settings
@@ -123,8 +120,7 @@ class Pipeline:
         if not self.storage.exists(seg.key):
             return False
         # Stored by an earlier delivery that died before recording it: record it now, don't re-render.
-        info = sf.info(io.BytesIO(self.storage.get(seg.key)))
-        self._record(task.job_id, seg.id, audio_s=info.frames / info.samplerate)
+        self._record(task.job_id, seg.id, audio_s=probe(self.storage.get(seg.key), seg.key).duration_s)
         return True
 
     def _enqueue(self, handle: TaskHandle, seg: TaskSegment) -> None:

