@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.cosyvoice2.checkpoint import check_keys, load_state_dict, read_config, section
+from worker.cosyvoice2.checkpoint import ModelDirError, check_keys, load_state_dict, read_config, section
 
 
 @dataclass(frozen=True)
@@ -157,7 +157,7 @@ def draw_source_noise(
     B, T = len(wav_lengths), max(wav_lengths)
     if generators is None:
         phase0 = torch.rand(B, num_harmonics)
-        noise = torch.randn(B, T, num_harmonics)
+        noise = _normal_time_major(B, T, num_harmonics, None, torch.device("cpu"))
         torch.randn(B, T, 1)
         return SourceNoise(phase0.to(device), noise.to(device))
     if len(generators) != B:
@@ -166,15 +166,29 @@ def draw_source_noise(
     noise = torch.zeros(B, T, num_harmonics, device=device)
     for b, (n, g) in enumerate(zip(wav_lengths, generators)):
         phase0[b] = torch.rand(1, num_harmonics, generator=g, device=g.device)[0].to(device)
-        noise[b, :n] = torch.randn(1, n, num_harmonics, generator=g, device=g.device)[0].to(device)
+        noise[b, :n] = _normal_time_major(1, n, num_harmonics, g, g.device)[0].to(device)
     return SourceNoise(phase0, noise)
+
+
+def _normal_time_major(B: int, T: int, H: int, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """(B, T, H) standard normal laid out in memory as (B, H, T).
+
+    The official code draws `randn_like` of a transposed tensor; torch fills a non-contiguous tensor
+    element by element in memory order with a different sampler than a contiguous `randn`, so only
+    this layout reproduces its numbers from the same seed.
+    """
+    return torch.empty_strided((B, T, H), (H * T, 1, T), device=device).normal_(generator=generator)
 
 
 class SourceModule(nn.Module):
     """F0 (B, T_mel) Hz -> excitation (B, 1, T_wav): 9 harmonic sines + noise, merged by linear+tanh.
 
     The phase is integrated at the frame rate and linearly interpolated to the sample rate (the
-    official SineGen2), in fp32 whatever the module dtype.
+    official SineGen2), in fp32 whatever the module dtype. Rows are generated one by one on their
+    own lengths: the interpolation clamps at a row's real end, and elementwise kernels (sin) round
+    their vector tails differently at other lengths; a 1e-8 change in the source becomes ~1e-5 in
+    the waveform (the source enters the generator through convolutions scaled x10). The work is
+    the same; only the kernel launches multiply by B.
     """
 
     def __init__(self, d: HiftDims):
@@ -182,38 +196,36 @@ class SourceModule(nn.Module):
         self.d = d
         self.l_linear = nn.Linear(d.nb_harmonics + 1, 1)
 
-    def sines(self, f0: torch.Tensor, mel_lengths: torch.Tensor, phase0: torch.Tensor) -> torch.Tensor:
-        """f0 (B, T_mel) Hz, phase0 (B, H) -> harmonic sines (B, T_wav, H) * amplitude, fp32."""
+    def sines(self, f0: torch.Tensor, phase0: torch.Tensor) -> torch.Tensor:
+        """One row: f0 (1, T_mel) Hz, phase0 (1, H) -> harmonic sines (1, T_wav, H) * amplitude, fp32."""
         d, up = self.d, self.d.samples_per_frame
-        B, T_mel = f0.shape
         harmonics = torch.arange(1, d.nb_harmonics + 2, device=f0.device, dtype=torch.float32)
-        f0_wav = f0.float().repeat_interleave(up, dim=1)[:, :, None]  # (B, T_wav, 1), nearest upsampling
-        cycles = (f0_wav * harmonics / d.sampling_rate) % 1  # (B, T_wav, H) cycles per sample
+        f0_wav = f0.float().repeat_interleave(up, dim=1)[:, :, None]  # (1, T_wav, 1), nearest upsampling
+        cycles = (f0_wav * harmonics / d.sampling_rate) % 1  # (1, T_wav, H) cycles per sample
         phase0 = phase0.float().clone()
-        phase0[:, 0] = 0
+        phase0[:, 0] = 0  # the fundamental starts at phase 0
         cycles[:, 0, :] = cycles[:, 0, :] + phase0
-        # Frame-rate integration, as the official code: linear downsampling picks each frame's
-        # middle sample, the running sum (x samples per frame) is the phase at the frame...
-        per_frame = F.interpolate(cycles.transpose(1, 2), scale_factor=1 / up, mode="linear")  # (B, H, T_mel)
+        # Frame-rate integration, as the official code: linear downsampling takes each frame's
+        # middle samples, the running sum times the samples per frame is the phase at each frame,
+        # and linear upsampling brings it back to samples.
+        per_frame = F.interpolate(cycles.transpose(1, 2), scale_factor=1 / up, mode="linear")  # (1, H, T_mel)
         phase = torch.cumsum(per_frame, dim=2) * 2 * math.pi
-        # ...and linear upsampling back to samples; rows shorter than T_mel hold their last frame so
-        # the interpolation at a row's end sees what it sees alone (clamping at the edge).
-        last = (mel_lengths - 1).clamp(min=0)
-        hold = torch.minimum(torch.arange(T_mel, device=f0.device)[None, :], last[:, None])  # (B, T_mel)
-        phase = phase.gather(2, hold[:, None, :].expand(-1, phase.shape[1], -1))
-        phase = F.interpolate(phase * up, scale_factor=up, mode="linear").transpose(1, 2)  # (B, T_wav, H)
+        phase = F.interpolate(phase * up, scale_factor=up, mode="linear").transpose(1, 2)  # (1, T_wav, H)
         return torch.sin(phase) * d.nsf_alpha
 
     def forward(self, f0: torch.Tensor, mel_lengths: torch.Tensor, noise: SourceNoise) -> torch.Tensor:
-        d = self.d
-        T_wav = f0.shape[1] * d.samples_per_frame
-        sines = self.sines(f0, mel_lengths, noise.phase0)  # (B, T_wav, H)
-        uv = (f0.float().repeat_interleave(d.samples_per_frame, dim=1)[:, :, None] > d.nsf_voiced_threshold).float()
-        noise_amp = uv * d.nsf_sigma + (1 - uv) * d.nsf_alpha / 3
-        excitation = sines * uv + noise_amp * noise.noise[:, :T_wav].float()
+        d, up = self.d, self.d.samples_per_frame
+        B, T_mel = f0.shape
         w, b = self.l_linear.weight.float(), self.l_linear.bias.float()
-        source = torch.tanh(F.linear(excitation, w, b)).transpose(1, 2)  # (B, T_wav, 1) -> (B, 1, T_wav)
-        return source * length_mask(mel_lengths * d.samples_per_frame, T_wav, torch.float32)
+        source = torch.zeros(B, 1, T_mel * up, device=f0.device)
+        for row, n in enumerate(mel_lengths.tolist()):
+            f0_row = f0[row : row + 1, :n].float()  # (1, T_mel_b)
+            sines = self.sines(f0_row, noise.phase0[row : row + 1])  # (1, T_wav_b, H)
+            uv = (f0_row.repeat_interleave(up, dim=1)[:, :, None] > d.nsf_voiced_threshold).float()
+            noise_amp = uv * d.nsf_sigma + (1 - uv) * d.nsf_alpha / 3
+            excitation = sines * uv + noise_amp * noise.noise[row : row + 1, : n * up].float()
+            source[row, :, : n * up] = torch.tanh(F.linear(excitation, w, b))[0].transpose(0, 1)  # (T_wav_b, 1) -> (1, T_wav_b)
+        return source
 
 
 # ---------------------------------------------------------------------------------------------
@@ -289,6 +301,12 @@ class HiFTGenerator(nn.Module):
         )
         self.conv_post = nn.Conv1d(C // 2 ** len(d.upsample_rates), spec_ch, 7, padding=3)
 
+    @classmethod
+    def from_model_dir(
+        cls, model_dir: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+    ) -> HiFTGenerator:
+        return load_hift(model_dir, device, dtype)
+
     @property
     def dtype(self) -> torch.dtype:
         return self.conv_pre.weight.dtype
@@ -333,9 +351,23 @@ class HiFTGenerator(nn.Module):
     # -- the model -------------------------------------------------------------------------------
 
     def f0(self, mel: torch.Tensor, mel_lengths: torch.Tensor | None = None) -> torch.Tensor:
-        """mel (B, 80, T_mel) -> F0 (B, T_mel) in Hz, zero past each row's length."""
+        """mel (B, 80, T_mel) -> F0 (B, T_mel) in Hz, zero past each row's length.
+
+        Row by row on each row's own frames: F0 is integrated into the source phase over every
+        sample, so the last-bit differences a batched convolution may pick (another kernel or
+        blocking for another shape) would grow to ~1e-4 in the source; run alone, a row's F0 is
+        bit-identical to its one-at-a-time F0. The predictor is small and at the frame rate.
+        """
         mel_lengths = self._lengths(mel, mel_lengths)
-        return self.f0_predictor(mel.to(self.dtype), length_mask(mel_lengths, mel.shape[2], self.dtype))
+        mel = mel.to(self.dtype)
+        B, _, T_mel = mel.shape
+        if B == 1:
+            return self.f0_predictor(mel, length_mask(mel_lengths, T_mel, self.dtype))
+        f0 = mel.new_zeros(B, T_mel)
+        for b, n in enumerate(mel_lengths.tolist()):
+            row = mel[b : b + 1, :, :n]
+            f0[b, :n] = self.f0_predictor(row, row.new_ones(1, 1, n))[0]
+        return f0
 
     def source(
         self,
@@ -361,7 +393,8 @@ class HiFTGenerator(nn.Module):
         spec_lengths = wav_lengths // d.hop_len + 1
         s_spec = self._stft(source, wav_lengths).to(self.dtype)  # (B, n_fft + 2, T_spec)
 
-        x = self.conv_pre(mel.to(self.dtype)) * length_mask(mel_lengths, T_mel, self.dtype)  # (B, C, T_mel)
+        mel_mask = length_mask(mel_lengths, T_mel, self.dtype)
+        x = self.conv_pre(mel.to(self.dtype) * mel_mask) * mel_mask  # (B, C, T_mel)
         lengths = mel_lengths
         n_up, n_k = len(self.ups), len(d.resblock_kernel_sizes)
         for i, up in enumerate(self.ups):
@@ -425,11 +458,20 @@ OPTIONAL_PREFIX = "generator."  # HiFiGan training checkpoints nest the generato
 
 
 def fold_weight_norm(g: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """w = g * v / ||v||, the norm taken over every dim where g has size 1 (dim 0 kept: output
-    channels for Conv1d, input channels for ConvTranspose1d, which is what torch's weight_norm uses)."""
-    dims = [i for i in range(v.dim()) if g.shape[i] == 1]
-    v32 = v.float()
-    return (v32 * (g.float() / v32.norm(dim=dims, keepdim=True))).to(v.dtype)
+    """w = g * v / ||v||, the norm taken over every dim where g has size 1.
+
+    The kept dim is where g is not 1: dim 0 for both layouts torch writes, which is the output
+    channels of a Conv1d but the input channels of a ConvTranspose1d (weight (C_in, C_out, k)).
+    Folded with torch's own weight-norm kernel (what the official parametrization calls every
+    forward), so the folded weights equal the official ones bit for bit; a plain g * v / v.norm()
+    rounds differently and moves F0, hence the integrated source phase, by ~1e-4.
+    """
+    if g.dim() == 0 or g.numel() == 1 and v.shape[0] != 1:
+        dim = -1  # one scalar g: norm over the whole tensor
+    else:
+        kept = [i for i in range(v.dim()) if g.shape[i] != 1]
+        dim = kept[0] if kept else 0
+    return torch._weight_norm(v.float(), g.float(), dim).to(v.dtype)
 
 
 def convert_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -468,5 +510,8 @@ def load_hift(
     with torch.device("meta"):
         model = HiFTGenerator(dims)
     check_keys(name, set(sd), set(model.state_dict()))
-    model.load_state_dict(sd, strict=True, assign=True)
+    try:
+        model.load_state_dict(sd, strict=True, assign=True)
+    except RuntimeError as e:  # shape mismatches: the yaml and the checkpoint disagree
+        raise ModelDirError(f"{name}: does not fit the yaml `hift` dims: {e}") from e
     return model.to(device=device, dtype=dtype).eval()
