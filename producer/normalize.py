@@ -204,7 +204,7 @@ def light_tn_en(text: str) -> str:
     return spell_out_numbers(text)
 
 
-_ROMAN_AFTER = re.compile(r"\b(chapter|part|book|volume|act|scene)\s+([IVXLCDM]+)\b", re.IGNORECASE)
+_ROMAN_AFTER = re.compile(r"\b((?:Chapter|Part|Book|Volume|Act|Scene)|(?:CHAPTER|PART|BOOK|VOLUME|ACT|SCENE))\s+([IVXLCDM]+)\b")
 _ROMAN_VALUES = {"I": 1, "V": 5, "X": 10, "L": 50, "C": 100, "D": 500, "M": 1000}
 
 

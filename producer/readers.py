@@ -481,8 +481,9 @@ def _toc_titles(toc: list) -> dict[str, str]:
         if href and title and title.strip():
             into.setdefault(_norm_href(href), title.strip())
 
-    def walk(entries: list) -> None:
-        for entry in entries:
+    def walk(entries: object) -> None:
+        # ebooklib gives a lone empty Link instead of a list for an empty NCX navMap.
+        for entry in entries if isinstance(entries, (list, tuple)) else [entries]:
             if isinstance(entry, (tuple, list)):
                 add(sections, entry[0])
                 walk(entry[1])
