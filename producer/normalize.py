@@ -3,7 +3,7 @@
 Per paragraph: detect Chinese vs English, run text normalization (TN: numbers, dates, units, symbols to
 words) with `wetext` when it is installed, then the cleanups of the official CosyVoice2 frontend:
 
-- zh: blanks removed except between two ASCII words (between two Han characters: "，"), ²/³ to 平方/立方, sentence dots to "。",
+- zh: blanks removed except between two ASCII words, ²/³ to 平方/立方, sentence dots to "。",
   " - " to "，", full-width brackets and backticks removed, dashes ("——", "—") to "，", a trailing
   comma turned into "。";
 - en: numbers left over by TN spelled out, whitespace collapsed.
@@ -15,6 +15,7 @@ Deviations from the official frontend, on purpose:
 - a paragraph is Chinese when it has at least as many Han characters as Latin words (official: any Han
   character), so an English paragraph quoting a Chinese name keeps English rules;
 - "——" becomes "，" (official: a space, left between Chinese characters) so the dash stays a pause;
+- " - " becomes "，" before blanks are removed (official: after, so it only applied between ASCII);
 - a "." between two ASCII letters/digits ("v2.0", "example.com") is not turned into "。".
 """
 
@@ -302,15 +303,12 @@ def light_tn_zh(text: str) -> str:
 
 
 def remove_blanks_zh(text: str) -> str:
-    """Drop blanks, except a single one between two ASCII non-blank characters ("iPhone 15"); a blank
-    between two Han characters ("第一章 开始") separates like a comma and becomes "，"."""
+    """Drop blanks, except a single one between two ASCII non-blank characters ("iPhone 15")."""
     text = " ".join(text.split())
     out = []
     for i, c in enumerate(text):
         if c == " ":
             before, after = text[i - 1] if i else "", text[i + 1] if i + 1 < len(text) else ""
-            if _HAN.match(before) and _HAN.match(after):
-                out.append("，")
             if not (before.isascii() and after.isascii() and before and after):
                 continue
         out.append(c)
@@ -326,10 +324,10 @@ _ZH_TRAILING_COMMA = re.compile(r"[，,、]+$")
 def _normalize_zh(text: str, use_wetext: bool) -> str:
     out = _wetext(text, "zh") if use_wetext else None
     text = light_tn_zh(text) if out is None else out
+    text = " ".join(text.split()).replace(" - ", "，")
     text = remove_blanks_zh(text)
     text = text.replace("²", "平方").replace("³", "立方")
     text = _ZH_DOT.sub("。", text)
-    text = text.replace(" - ", "，")
     text = text.translate(_ZH_BRACKETS)
     text = _ZH_DASH.sub("，", text)
     return _ZH_TRAILING_COMMA.sub("。", text)

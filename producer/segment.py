@@ -140,6 +140,8 @@ def segment_chapter(
 ) -> list[Segment]:
     segments: list[Segment] = []
     for paragraph in paragraphs(chapter.text):
+        if is_only_punctuation(paragraph):
+            continue  # scene breaks ("* * *"): TN would read the symbols out
         lang = detect_lang(paragraph)
         if normalize:
             paragraph = normalize_text(paragraph, lang)

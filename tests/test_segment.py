@@ -1,0 +1,212 @@
+"""Segmentation (official split_paragraph rules) and text normalization."""
+
+from __future__ import annotations
+
+import pytest
+
+from producer.normalize import (
+    detect_lang,
+    is_only_punctuation,
+    normalize_text,
+    number_to_words,
+    ordinal_to_words,
+    wetext_available,
+    zh_number,
+)
+from producer.segment import (
+    SplitRules,
+    estimate_tokens,
+    paragraphs,
+    segment_chapters,
+    split_paragraph,
+    split_sentences,
+)
+from voxbatch.models import Chapter
+
+ZH17 = "这是一个很长的句子，里面有很多字。"  # 17 characters
+assert len(ZH17) == 17
+
+# --------------------------------------------------------------------------------------------------------
+# Sentence splitting
+
+
+def test_split_sentences_keeps_everything_and_attaches_closers():
+    text = 'Hello. "Why?!" he asked... Version 2.0 is out; ok'
+    got = split_sentences(text, "en")
+    assert got == ["Hello.", ' "Why?!"', " he asked...", " Version 2.0 is out;", " ok."]
+    assert "".join(got) == text + "."
+    zh = "他说：“你好。”然后走了！真的吗"
+    assert split_sentences(zh, "zh") == ["他说：", "“你好。”", "然后走了！", "真的吗。"]
+    assert split_sentences("甲、乙。", "zh") == ["甲、", "乙。"]
+    # English text does not split at a Chinese full stop or at a colon-less comma.
+    assert split_sentences("a, b。c", "en") == ["a, b。c."]
+
+
+# --------------------------------------------------------------------------------------------------------
+# Greedy merge
+
+
+def test_zh_is_counted_in_characters_and_packed_greedily():
+    # 4 x 17 = 68 > token_min_n, so the 5th sentence (85 > 80) starts a new segment.
+    segs = split_paragraph(ZH17 * 12, "zh")
+    assert [len(s) for s in segs] == [68, 68, 68]
+    # The length function is not used for Chinese: a tokenizer claiming huge lengths changes nothing.
+    assert split_paragraph(ZH17 * 12, "zh", length_fn=lambda t: 10_000) == segs
+
+
+def test_short_tail_is_merged_and_long_tail_is_not():
+    segs = split_paragraph(ZH17 * 5, "zh")  # 68 + a 17-char tail (< merge_len 20)
+    assert segs == [ZH17 * 5]
+    tail = "这一句有二十五个字符长，用来测试尾巴不会合并的规则。"
+    assert len(tail) >= 20
+    segs = split_paragraph(ZH17 * 4 + tail, "zh")
+    assert segs == [ZH17 * 4, tail]
+
+
+def test_en_max_length_respected_with_default_estimate():
+    sentence = "The quick brown fox jumps over the lazy dog near the river bank. "  # 14 estimated tokens
+    assert estimate_tokens(sentence) == 14
+    text = sentence * 23
+    segs = split_paragraph(text, "en")
+    lengths = [estimate_tokens(s) for s in segs]
+    assert len(segs) > 3
+    # Sentences <= 20 and token_min_n 60: a segment passes 80 only through the merged short tail.
+    assert all(n <= 80 for n in lengths[:-1]), lengths
+    assert lengths[-1] <= 80 + 20
+    assert " ".join(segs) == text.strip()
+
+
+def test_pluggable_length_function_changes_the_split():
+    text = "One two three. Four five six. Seven eight nine. Ten eleven twelve."
+    words = lambda t: len(t.split())  # noqa: E731
+    rules = SplitRules(token_max_n=6, token_min_n=4, merge_len=2)
+    assert split_paragraph(text, "en", words, rules) == ["One two three. Four five six.", "Seven eight nine. Ten eleven twelve."]
+    assert split_paragraph(text, "en", lambda t: 1, rules) == [text]
+
+
+def test_single_long_sentence_kept_whole_until_hard_max():
+    long_sentence = "，".join(["这是一个分句"] * 20) + "。"  # 139 chars, one sentence
+    assert 80 < len(long_sentence) <= SplitRules().hard_max_n
+    assert split_paragraph(long_sentence, "zh") == [long_sentence]
+    huge = "，".join(["这是一个分句"] * 40) + "。"  # 279 chars: cut at commas into pieces <= 80
+    pieces = split_paragraph(huge, "zh")
+    assert "".join(pieces) == huge
+    assert all(len(p) <= 80 for p in pieces) and len(pieces) == 4
+    words = " ".join(["word"] * 400) + "."  # no commas at all: cut at blanks
+    pieces = split_paragraph(words, "en")
+    assert len(pieces) == 5
+    assert all(estimate_tokens(p) <= 80 for p in pieces[:-1]) and estimate_tokens(pieces[-1]) < 80 + 20
+    assert " ".join(pieces).split() == words.split()
+
+
+def test_punctuation_only_segments_dropped():
+    assert split_paragraph("……", "zh") == []
+    assert split_paragraph("* * *", "en") == []
+    chapter = Chapter(index=0, title="t", text="Hello there.\n\n* * *\n\n—\n\nBye now.", source="x")
+    segs = segment_chapters([chapter])
+    assert [(s.index, s.text) for s in segs] == [(0, "Hello there."), (1, "Bye now.")]
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [("", True), ("...", True), ("。！？", True), ("* * *", True), ("—— ~", True), ("a.", False), ("二。", False), ("3", False)],
+)
+def test_is_only_punctuation(text, expected):
+    assert is_only_punctuation(text) is expected
+
+
+# --------------------------------------------------------------------------------------------------------
+# Chapters -> segments
+
+
+def test_segments_keep_chapter_and_position_and_paragraph_breaks():
+    chapters = [
+        Chapter(index=0, title="Front", text="Short intro.", source="b.txt:1"),
+        Chapter(index=1, title="Chapter 1", text="Chapter 1\n\nFirst paragraph.\nStill first.\n\n第二段。", source="b.txt:3"),
+        Chapter(index=2, title="第二章", text="第二章\n\n" + ZH17 * 5, source="b.txt:9"),
+    ]
+    segs = segment_chapters(chapters)
+    assert [(s.chapter, s.index) for s in segs] == [(0, 0), (1, 0), (1, 1), (1, 2), (2, 0), (2, 1)]
+    assert [s.text for s in segs[:4]] == ["Short intro.", "Chapter one.", "First paragraph. Still first.", "第二段。"]
+    assert segs[4].text == "第二章。" and segs[5].text == ZH17 * 5
+    ids = [s.id for s in segs]
+    assert ids == sorted(ids) and ids[1] == "0001-00000"
+
+
+def test_segment_without_normalization_keeps_digits():
+    chapter = Chapter(index=3, title="t", text="I have 3 cats.", source="x")
+    assert segment_chapters([chapter], normalize=False)[0].text == "I have 3 cats."
+    assert segment_chapters([chapter])[0].text == "I have three cats."
+
+
+def test_paragraphs_fold_inner_newlines():
+    assert paragraphs("a\nb\n\n\n  \nc  d\n") == ["a b", "c d"]
+
+
+# --------------------------------------------------------------------------------------------------------
+# Normalization
+
+
+def test_detect_lang_per_paragraph():
+    assert detect_lang("今天天气很好。") == "zh"
+    assert detect_lang("He said 你好 to me.") == "en"  # a Chinese word quoted in English prose
+    assert detect_lang("我用 iPhone 拍照。") == "zh"
+    assert detect_lang("Plain English.") == "en"
+
+
+@pytest.mark.parametrize("use_wetext", [True, False])
+def test_english_numbers_spelled_out(use_wetext):
+    norm = lambda t: normalize_text(t, "en", use_wetext=use_wetext)  # noqa: E731
+    # The official fixture's e2e text and its normalized form.
+    assert norm("Hello everyone! This is a tiny random test voice reading 2 short sentences.") == (
+        "Hello everyone! This is a tiny random test voice reading two short sentences."
+    )
+    assert norm("I have 3 cats and 1,234 dollars.") == "I have three cats and one thousand, two hundred and thirty-four dollars."
+    assert norm("It costs $5.") == "It costs five dollars."
+    assert norm("About 50% of them.") == "About fifty percent of them."
+    assert norm("CHAPTER XII. The Storm") == "CHAPTER twelve. The Storm"
+    out = norm('A  lot   of\n spaces, "quotes" and 12.5 points in 1984.')
+    assert out.startswith('A lot of spaces, "quotes" and twelve point five points in nineteen eighty')
+    assert not any(c.isdigit() for c in out)
+
+
+def test_light_english_rules():
+    assert [number_to_words(n) for n in (0, 13, 21, 100, 101, 1001, 1100, 2024)] == [
+        "zero", "thirteen", "twenty-one", "one hundred", "one hundred and one", "one thousand and one",
+        "one thousand, one hundred", "two thousand and twenty-four",
+    ]
+    assert number_to_words(1_234_567) == "one million, two hundred and thirty-four thousand, five hundred and sixty-seven"
+    assert [ordinal_to_words(n) for n in (1, 2, 3, 12, 20, 21, 100)] == [
+        "first", "second", "third", "twelfth", "twentieth", "twenty-first", "one hundredth",
+    ]
+    assert normalize_text("He was the 21st in 1905, paid £3.50.", "en", use_wetext=False) == (
+        "He was the twenty-first in nineteen oh five, paid three pounds and fifty pence."
+    )
+
+
+@pytest.mark.parametrize("use_wetext", [True, False])
+def test_chinese_cleanups(use_wetext):
+    norm = lambda t: normalize_text(t, "zh", use_wetext=use_wetext)  # noqa: E731
+    assert norm("他有3个苹果，花了1,234元。") == "他有三个苹果，花了一千二百三十四元。"
+    assert norm("（注释）【重要】面积x²，体积y³") == "注释重要面积x平方，体积y立方"
+    assert norm("他走了——再也没回来，") == "他走了，再也没回来。"
+    assert norm("第12章 风暴") == "第十二章风暴"
+    assert norm("我 爱 你. 真的 - 是的") == "我爱你。真的，是的"
+    assert norm("用 iPhone X 拍照") == "用iPhone X拍照"  # blanks kept only between ASCII words
+    assert norm("版本 v2.0 发布") == "版本v二点零发布"
+    assert norm("`代码`，") == "代码。"
+
+
+def test_light_chinese_rules():
+    assert [zh_number(n) for n in (10, 15, 105, 1010, 10050, 100000, 100001000, 123456789)] == [
+        "十", "十五", "一百零五", "一千零一十", "一万零五十", "十万", "一亿零一千", "一亿二千三百四十五万六千七百八十九",
+    ]
+    assert normalize_text("2024年温度-3.5℃，增长50%。", "zh", use_wetext=False) == "二零二四年温度负三点五摄氏度，增长百分之五十。"
+
+
+def test_wetext_works_offline():
+    """wetext 0.1.8 ships its FST grammars in the wheel: no download is needed."""
+    pytest.importorskip("wetext")
+    assert wetext_available()
+    assert normalize_text("It was 3:30 pm on Jan. 5, 2024.", "en") == "It was three thirty PM on the fifth of january, twenty twenty four."
+    assert normalize_text("今天是2024年3月5日。", "zh") == "今天是二零二四年三月五日。"
