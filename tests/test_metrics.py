@@ -169,6 +169,7 @@ def test_load_exporter_reads_job_state_counter(redis_url):
         got = _samples(_scrape(port, "/metrics"))
         assert got[("voxbatch_segments_outstanding", ())] == 13
         assert got[("voxbatch_render_queue_length", ())] == 2
+        assert got[("voxbatch_load_up", ())] == 1
         store.cancel("job-b")  # 4 left in job-b leave the load
         assert json.loads(_scrape(port, "/load"))["segments_outstanding"] == 9
         client.set(LOAD_KEY, -3)  # a drifted counter never reads as negative demand
@@ -186,5 +187,10 @@ def test_load_exporter_reports_redis_down_as_503():
         with pytest.raises(urllib.error.HTTPError) as err:
             _scrape(server.server_port, "/load")
         assert err.value.code == 503
+        # /metrics still answers, saying Redis is down, and /healthz (the liveness probe) stays up.
+        got = _samples(_scrape(server.server_port, "/metrics"))
+        assert got[("voxbatch_load_up", ())] == 0
+        assert ("voxbatch_segments_outstanding", ()) not in got
+        assert _scrape(server.server_port, "/healthz") == "ok\n"
     finally:
         server.shutdown()

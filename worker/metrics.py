@@ -178,7 +178,12 @@ class LoadCollector(Collector):
         return {"segments_outstanding": max(int(raw_load or 0), 0), "render_queue_length": int(queued)}
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        values = self.read()
+        try:
+            values = self.read()
+        except Exception:  # noqa: BLE001 - a scrape must answer (up=0) even while Redis is unreachable
+            yield GaugeMetricFamily("voxbatch_load_up", "1 when Redis answered this scrape.", value=0)
+            return
+        yield GaugeMetricFamily("voxbatch_load_up", "1 when Redis answered this scrape.", value=1)
         yield GaugeMetricFamily(
             "voxbatch_segments_outstanding",
             f"Segments enqueued and not yet finished, across jobs (Redis {self._load_key}): queued + reserved + running.",
@@ -190,12 +195,16 @@ class LoadCollector(Collector):
 
 
 def load_app(collector: LoadCollector) -> Callable:
-    """WSGI app: `/load` answers JSON for KEDA's metrics-api scaler, anything else Prometheus text."""
+    """WSGI app: `/load` answers JSON for KEDA's metrics-api scaler (503 while Redis is unreachable),
+    `/healthz` answers 200 while the process serves, anything else is Prometheus text."""
     registry = CollectorRegistry()
     registry.register(collector)
     prometheus = make_wsgi_app(registry)
 
     def app(environ: dict, start_response: Callable) -> list[bytes]:
+        if environ.get("PATH_INFO") == "/healthz":
+            start_response("200 OK", [("Content-Type", "text/plain"), ("Content-Length", "3")])
+            return [b"ok\n"]
         if environ.get("PATH_INFO") == "/load":
             try:
                 body = json.dumps(collector.read()).encode()

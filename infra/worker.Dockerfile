@@ -1,0 +1,55 @@
+# syntax=docker/dockerfile:1
+# voxbatch GPU worker: `voxbatch worker` (CosyVoice2 engine, torch + vLLM backends).
+#
+# Versions, and why:
+# - vLLM 0.33.0 (PyPI) is built against torch 2.14.0, and PyPI's torch 2.14.0 Linux wheels are CUDA 13
+#   builds (nvidia-*-cu13 dependencies). Both ship SASS for sm_90 (Hopper), sm_100 and sm_120
+#   (Blackwell datacenter and RTX 50 / RTX PRO), and sm_80/sm_86/sm_89 (Ampere, Ada). sm_120 needs
+#   CUDA >= 12.8 and torch >= 2.7; vLLM's wheels carry its kernels since 0.9. Pinned below; bump
+#   torch only to the version the chosen vLLM release pins (`pip show vllm` -> Requires torch==...).
+# - Base image: CUDA 13.0 runtime on Ubuntu 24.04, the same CUDA major as the wheels, so the
+#   libraries torch/vLLM load and the ones in the image agree. The wheels bring their own cuBLAS,
+#   cuDNN and NCCL; the base adds the CUDA runtime, the NVIDIA container environment variables and
+#   forward-compatibility packaging. Host driver: >= 580 (CUDA 13). For hosts stuck on a 570-series
+#   driver, build with a CUDA 12.9 base *and* torch/vLLM wheels built for cu129 (same versions, from
+#   the PyTorch and vLLM cu129 indexes) -- never mix a cu13 wheel with a 12.x driver.
+# - Python 3.12 (Ubuntu 24.04's), with headers and gcc: Triton and torch.compile build small C
+#   launchers at run time.
+ARG CUDA_IMAGE=nvidia/cuda:13.0.1-runtime-ubuntu24.04
+FROM ${CUDA_IMAGE}
+
+ARG TORCH_VERSION=2.14.0
+ARG VLLM_VERSION=0.33.0
+
+ENV DEBIAN_FRONTEND=noninteractive \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    VIRTUAL_ENV=/opt/venv \
+    PATH=/opt/venv/bin:$PATH
+
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends \
+        python3.12 python3.12-venv python3.12-dev gcc libc6-dev ca-certificates \
+ && rm -rf /var/lib/apt/lists/* \
+ && python3.12 -m venv /opt/venv
+
+# The heavy, slow-changing layer first, so code changes rebuild in seconds.
+RUN printf 'torch==%s\nvllm==%s\n' "$TORCH_VERSION" "$VLLM_VERSION" > /opt/constraints.txt \
+ && pip install -c /opt/constraints.txt "torch==${TORCH_VERSION}" "vllm==${VLLM_VERSION}"
+
+COPY . /src
+RUN pip install -c /opt/constraints.txt "/src[engine,vllm]" \
+ && python -c "import voxbatch.cli, worker.main, worker.metrics"
+
+# Unprivileged; HOME holds vLLM / torch.compile caches (mount a volume there to keep them warm).
+RUN useradd --create-home --uid 10001 voxbatch
+USER voxbatch
+WORKDIR /home/voxbatch
+
+# Prometheus metrics (VOXBATCH_METRICS_PORT; a launcher with several GPUs uses port + GPU index).
+EXPOSE 9100
+# The launcher passes SIGTERM on: Celery stops taking tasks and finishes those in flight.
+STOPSIGNAL SIGTERM
+ENTRYPOINT ["voxbatch", "worker"]
+CMD []
