@@ -7,16 +7,13 @@ renamed key or a changed meaning fails here rather than silently flat-lining the
 from __future__ import annotations
 
 import json
-import os
 import queue
-import shutil
 import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
@@ -45,34 +42,13 @@ def _samples(text: str) -> dict[tuple[str, tuple], float]:
     return out
 
 
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory) -> Iterator[str]:
-    """A throwaway redis-server on a free loopback port (skips locally, fails under CI, when absent)."""
-    exe = shutil.which("redis-server")
-    if exe is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("redis-server is not installed")
-        pytest.skip("redis-server is not installed")
-    port = _free_port()
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", str(tmp_path_factory.mktemp("redis"))],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+@pytest.fixture
+def redis_url(redis_server) -> str:
+    """The session's real redis-server (tests/conftest.py), emptied for this test."""
     import redis
 
-    client = redis.Redis(port=port)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            if time.monotonic() > deadline:
-                proc.kill()
-                raise
-            time.sleep(0.05)
-    yield f"redis://127.0.0.1:{port}/0"
-    proc.terminate()
-    proc.wait(timeout=10)
+    redis.Redis.from_url(redis_server.url).flushdb()
+    return redis_server.url
 
 
 def test_worker_metrics_over_http():
@@ -151,7 +127,6 @@ def test_load_exporter_reads_job_state_counter(redis_url):
     from voxbatch.jobstate import RedisJobStore
 
     client = redis.Redis.from_url(redis_url)
-    client.flushdb()
     store = RedisJobStore.from_url(redis_url)
     store.create("job-a", "a", "default", "wav", total=10, created_at=time.time())
     store.create("job-b", "b", "default", "wav", total=5, created_at=time.time())
