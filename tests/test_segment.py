@@ -210,3 +210,20 @@ def test_wetext_works_offline():
     assert wetext_available()
     assert normalize_text("It was 3:30 pm on Jan. 5, 2024.", "en") == "It was three thirty PM on the fifth of january, twenty twenty four."
     assert normalize_text("今天是2024年3月5日。", "zh") == "今天是二零二四年三月五日。"
+
+
+def test_engine_tokenizer_plugs_in_as_length_function(tiny_model_dir):
+    """The engine's tokenizer (`token_length`) is a drop-in `LengthFn` (the fixture's toy BPE here)."""
+    tokenizer_mod = pytest.importorskip("worker.cosyvoice2.tokenizer")
+    tok = tokenizer_mod.CosyVoice2Tokenizer.from_model_dir(tiny_model_dir)
+    text = " ".join(f"Sentence {i} of the chapter tells a short part of the story." for i in range(40))
+    chapter = Chapter(index=0, title="t", text=text, source="x")
+    segs = segment_chapters([chapter], length_fn=tok.token_length)
+    lengths = [tok.token_length(s.text) for s in segs]
+    longest = max(tok.token_length(" " + x) for x in split_sentences(segs[0].text, "en"))
+    assert len(segs) > 3 and 20 < longest < 40
+    # Official rule: a segment under token_min_n (60) still takes the next sentence, so the bound is
+    # max(80, 60 + longest sentence); the last segment may also hold a merged tail (< 20).
+    assert all(n <= max(80, 60 + longest) for n in lengths[:-1]), lengths
+    assert lengths[-1] < max(80, 60 + longest) + 20
+    assert sum(lengths) / len(lengths) > 60  # packed up to the target, not cut short
