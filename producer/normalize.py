@@ -98,7 +98,10 @@ def _wetext(text: str, lang: Lang) -> str | None:
 # English
 
 
-_ONES = "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen seventeen eighteen nineteen".split()
+_ONES = (
+    "zero one two three four five six seven eight nine ten "
+    "eleven twelve thirteen fourteen fifteen sixteen seventeen eighteen nineteen"
+).split()
 _TENS = "_ _ twenty thirty forty fifty sixty seventy eighty ninety".split()
 _SCALES = ["", "thousand", "million", "billion", "trillion"]
 _ORDINAL_IRREGULAR = {"one": "first", "two": "second", "three": "third", "five": "fifth", "eight": "eighth",
@@ -170,7 +173,10 @@ _CURRENCY = {"$": ("dollar", "dollars", "cent", "cents"), "£": ("pound", "pound
 
 def spell_out_numbers(text: str) -> str:
     """Every remaining run of ASCII digits to words (the official `spell_out_number` rule)."""
-    return _DIGITS.sub(lambda m: number_to_words(int(m.group())) if len(m.group()) < 16 else _digits_en(m.group()), text)
+    def spell(m: re.Match) -> str:
+        return number_to_words(int(m.group())) if len(m.group()) < 16 else _digits_en(m.group())
+
+    return _DIGITS.sub(spell, text)
 
 
 def _money_en(m: re.Match) -> str:
@@ -205,7 +211,9 @@ def light_tn_en(text: str) -> str:
     return spell_out_numbers(text)
 
 
-_ROMAN_AFTER = re.compile(r"\b((?:Chapter|Part|Book|Volume|Act|Scene)|(?:CHAPTER|PART|BOOK|VOLUME|ACT|SCENE))\s+([IVXLCDM]+)\b")
+_ROMAN_AFTER = re.compile(
+    r"\b(Chapter|Part|Book|Volume|Act|Scene|CHAPTER|PART|BOOK|VOLUME|ACT|SCENE)\s+([IVXLCDM]+)\b"
+)
 _ROMAN_VALUES = {"I": 1, "V": 5, "X": 10, "L": 50, "C": 100, "D": 500, "M": 1000}
 
 

@@ -12,9 +12,7 @@ single line so long that it cannot be real prose.
 from __future__ import annotations
 
 import re
-import zipfile
-from html.parser import HTMLParser
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 from voxbatch.models import Chapter
 
@@ -38,12 +36,16 @@ def read_corpus(path: str | Path) -> list[Chapter]:
         raise CorpusError(f"{p}: no such file or directory")
     suffix = p.suffix.lower()
     if suffix == ".epub":
-        return _read_epub(p)
+        from producer.epub import read_epub  # ebooklib/lxml are loaded only for EPUB corpora
+
+        return read_epub(p)
     if suffix in TEXT_SUFFIXES:
         text = decode_text(p.read_bytes(), str(p))
         chapters = _split_text(text, str(p), markdown=suffix in MARKDOWN_SUFFIXES, default_title=p.stem)
         return [c.model_copy(update={"index": i}) for i, c in enumerate(chapters)]
-    raise CorpusError(f"{p}: unsupported corpus type {suffix or '(no suffix)'!r}; expected .txt, .md, .epub or a folder")
+    raise CorpusError(
+        f"{p}: unsupported corpus type {suffix or '(no suffix)'!r}; expected .txt, .md, .epub or a folder"
+    )
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -281,9 +283,8 @@ def _split_text(text: str, name: str, *, markdown: bool, default_title: str) -> 
         if not has_text:
             return
         chapter_title = title if title is not None else (FRONT_MATTER_TITLE if level is not None else default_title)
-        chapters.append(
-            Chapter(index=len(chapters), title=chapter_title, text="\n\n".join(p.text for p in paragraphs), source=source)
-        )
+        text = "\n\n".join(p.text for p in paragraphs)
+        chapters.append(Chapter(index=len(chapters), title=chapter_title, text=text, source=source))
 
     for ln in lines:
         if level is not None and ln.level == level and ln.text:
@@ -373,10 +374,8 @@ def natural_key(name: str) -> list[tuple[int, int | str]]:
 
 
 def _read_directory(folder: Path) -> list[Chapter]:
-    files = sorted(
-        (f for f in folder.iterdir() if f.is_file() and not f.name.startswith(".") and f.suffix.lower() in TEXT_SUFFIXES),
-        key=lambda f: natural_key(f.name),
-    )
+    files = [f for f in folder.iterdir() if f.is_file() and not f.name.startswith(".")]
+    files = sorted((f for f in files if f.suffix.lower() in TEXT_SUFFIXES), key=lambda f: natural_key(f.name))
     if not files:
         raise CorpusError(f"{folder}: no .txt or .md files in this folder")
     chapters = []
@@ -395,141 +394,4 @@ def _read_directory(folder: Path) -> list[Chapter]:
         if not body.strip():
             raise CorpusError(f"{f}: no text (empty file)")
         chapters.append(Chapter(index=index, title=title, text=body, source=str(f)))
-    return chapters
-
-
-# --------------------------------------------------------------------------------------------------------
-# EPUB
-
-
-class _HtmlText(HTMLParser):
-    """HTML body to paragraphs: block elements and <br> end a paragraph; script/style/head are skipped."""
-
-    BLOCKS = frozenset(
-        "p div h1 h2 h3 h4 h5 h6 li ul ol dl dt dd blockquote pre section article aside header footer "
-        "table tr td th caption figure figcaption hr br nav title body html".split()
-    )
-    SKIP = frozenset("script style head svg math".split())
-    HEADINGS = frozenset("h1 h2 h3".split())
-
-    def __init__(self) -> None:
-        super().__init__(convert_charrefs=True)
-        self.paragraphs: list[str] = []
-        self.first_heading: str | None = None
-        self._buf: list[str] = []
-        self._skip = 0
-        self._heading: list[str] | None = None
-
-    def handle_starttag(self, tag: str, attrs: list) -> None:
-        if tag in self.SKIP:
-            self._skip += 1
-        elif tag in self.BLOCKS:
-            self._end_paragraph()
-            if tag in self.HEADINGS and self.first_heading is None:
-                self._heading = []
-
-    def handle_startendtag(self, tag: str, attrs: list) -> None:
-        if tag in self.BLOCKS:
-            self._end_paragraph()
-
-    def handle_endtag(self, tag: str) -> None:
-        if tag in self.SKIP:
-            self._skip = max(0, self._skip - 1)
-        elif tag in self.BLOCKS:
-            if tag in self.HEADINGS and self._heading is not None:
-                self.first_heading = " ".join("".join(self._heading).split()) or None
-                self._heading = None
-            self._end_paragraph()
-
-    def handle_data(self, data: str) -> None:
-        if self._skip:
-            return
-        self._buf.append(data)
-        if self._heading is not None:
-            self._heading.append(data)
-
-    def _end_paragraph(self) -> None:
-        text = " ".join("".join(self._buf).split())
-        self._buf.clear()
-        if text:
-            self.paragraphs.append(text)
-
-    def close(self) -> None:
-        super().close()
-        self._end_paragraph()
-
-
-def html_to_paragraphs(html: str) -> tuple[list[str], str | None]:
-    """(paragraphs, first h1-h3 text) of an XHTML document."""
-    parser = _HtmlText()
-    parser.feed(html)
-    parser.close()
-    return parser.paragraphs, parser.first_heading
-
-
-def _toc_titles(toc: list) -> dict[str, str]:
-    """Document href (no fragment) -> TOC title pointing into it.
-
-    Leaf entries win over sections: a "Part One" section whose href is also its first chapter's file
-    should not rename that chapter. Within each kind, the first entry for a file wins.
-    """
-    leaves: dict[str, str] = {}
-    sections: dict[str, str] = {}
-
-    def add(into: dict[str, str], entry: object) -> None:
-        href, title = getattr(entry, "href", None), getattr(entry, "title", None)
-        if href and title and title.strip():
-            into.setdefault(_norm_href(href), title.strip())
-
-    def walk(entries: object) -> None:
-        # ebooklib gives a lone empty Link instead of a list for an empty NCX navMap.
-        for entry in entries if isinstance(entries, (list, tuple)) else [entries]:
-            if isinstance(entry, (tuple, list)):
-                add(sections, entry[0])
-                walk(entry[1])
-            else:
-                add(leaves, entry)
-
-    walk(toc)
-    return {**sections, **leaves}
-
-
-def _norm_href(href: str) -> str:
-    return str(PurePosixPath(href.split("#", 1)[0]))
-
-
-def _read_epub(path: Path) -> list[Chapter]:
-    # Imported here so that reading text corpora does not need ebooklib/lxml loaded.
-    import ebooklib
-    from ebooklib import epub
-    from lxml import etree
-
-    name = str(path)
-    try:
-        book = epub.read_epub(str(path), options={"ignore_ncx": False})
-    except (zipfile.BadZipFile, epub.EpubException, etree.XMLSyntaxError, KeyError, OSError) as e:
-        raise CorpusError(f"{name}: not a readable EPUB ({type(e).__name__}: {e})") from None
-    titles = _toc_titles(book.toc)
-    chapters: list[Chapter] = []
-    for idref, *_ in book.spine:
-        item = book.get_item_with_id(idref)
-        if item is None or item.get_type() != ebooklib.ITEM_DOCUMENT or isinstance(item, epub.EpubNav):
-            continue
-        where = f"{name}#{item.get_name()}"
-        raw = item.get_content()
-        if raw.startswith(b"\xef\xbb\xbf"):
-            raw = raw[3:]
-        try:
-            html = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise CorpusError(f"{where}: not UTF-8 text (invalid byte 0x{raw[e.start]:02x} at offset {e.start})") from None
-        paragraphs, heading = html_to_paragraphs(html)
-        if not paragraphs:
-            continue  # cover images, empty nav pages
-        text = "\n".join(paragraphs)
-        check_line_lengths(text, where, unit="paragraph")
-        title = titles.get(_norm_href(item.get_name())) or heading or PurePosixPath(item.get_name()).stem
-        chapters.append(Chapter(index=len(chapters), title=title, text="\n\n".join(paragraphs), source=where))
-    if not chapters:
-        raise CorpusError(f"{name}: no text (empty corpus: no spine document has text)")
     return chapters

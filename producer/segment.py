@@ -11,8 +11,9 @@ The rules are those of the official CosyVoice2 frontend (`split_paragraph`), app
 Lengths: Chinese in characters (as official); other text through a pluggable `LengthFn` (the engine's
 tokenizer `token_length` can be passed; the default is `estimate_tokens`).
 
-So a segment passes `token_max_n` only when (a) it is one sentence longer than that, (b) the segment
-before the last sentence was still under `token_min_n`, or (c) a short tail (< `merge_len`) was merged.
+So a segment passes `token_max_n` only when (a) it is one sentence longer than that, (b) it was still at
+most `token_min_n` before its last sentence (bound: `token_min_n` + that sentence), or (c) it is a
+paragraph's last segment with a short tail (< `merge_len`) merged in.
 
 Deviations from the official rules, on purpose:
 - segments never cross a paragraph break (a paragraph break is a pause in the audio);
@@ -103,7 +104,9 @@ def _cut_long(sentence: str, lang: Lang, length: LengthFn, rules: SplitRules) ->
     return pieces
 
 
-def split_paragraph(text: str, lang: Lang, length_fn: LengthFn | None = None, rules: SplitRules = DEFAULT_RULES) -> list[str]:
+def split_paragraph(
+    text: str, lang: Lang, length_fn: LengthFn | None = None, rules: SplitRules = DEFAULT_RULES
+) -> list[str]:
     """One normalized paragraph -> segment texts (official greedy merge; see the module docstring)."""
     other = length_fn or estimate_tokens
     length: LengthFn = len if lang == "zh" else other
