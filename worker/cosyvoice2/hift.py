@@ -359,10 +359,11 @@ class HiFTGenerator(nn.Module):
         bit-identical to its one-at-a-time F0. The predictor is small and at the frame rate.
         """
         mel_lengths = self._lengths(mel, mel_lengths)
-        mel = mel.to(self.dtype)
+        dtype = self.f0_predictor.classifier.weight.dtype  # fp32 as load_hift leaves it
+        mel = mel.to(dtype)
         B, _, T_mel = mel.shape
         if B == 1:
-            return self.f0_predictor(mel, length_mask(mel_lengths, T_mel, self.dtype))
+            return self.f0_predictor(mel, length_mask(mel_lengths, T_mel, dtype))
         f0 = mel.new_zeros(B, T_mel)
         for b, n in enumerate(mel_lengths.tolist()):
             row = mel[b : b + 1, :, :n]
@@ -454,7 +455,11 @@ WEIGHT_NORM_LAYOUTS = (
     (".parametrizations.weight.original0", ".parametrizations.weight.original1"),
     (".weight_g", ".weight_v"),
 )
-OPTIONAL_PREFIX = "generator."  # HiFiGan training checkpoints nest the generator under this
+OPTIONAL_PREFIX = "generator."
+# F0 sets the pitch and is integrated into the source phase over every sample: the F0 predictor
+# (small, at the frame rate) and the source merge stay fp32 whatever dtype the generator runs in
+# (F0 from bf16 weights moves by several Hz).
+FP32_MODULES = ("f0_predictor", "m_source")  # HiFiGan training checkpoints nest the generator under this
 
 
 def fold_weight_norm(g: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -514,4 +519,8 @@ def load_hift(
         model.load_state_dict(sd, strict=True, assign=True)
     except RuntimeError as e:  # shape mismatches: the yaml and the checkpoint disagree
         raise ModelDirError(f"{name}: does not fit the yaml `hift` dims: {e}") from e
-    return model.to(device=device, dtype=dtype).eval()
+    model = model.to(device=device).eval()
+    for child_name, child in model.named_children():
+        if child_name not in FP32_MODULES:
+            child.to(dtype)
+    return model
