@@ -24,9 +24,9 @@ class _HtmlText(HTMLParser):
 
     BLOCKS = frozenset(
         "p div h1 h2 h3 h4 h5 h6 li ul ol dl dt dd blockquote pre section article aside header footer "
-        "table tr td th caption figure figcaption hr br nav title body html".split()
+        "table tr td th caption figure figcaption hr br title body html".split()
     )
-    SKIP = frozenset("script style head svg math".split())
+    SKIP = frozenset("script style head svg math nav".split())  # <nav>: landmarks/page lists, not prose
     HEADINGS = frozenset("h1 h2 h3".split())
 
     def __init__(self) -> None:

@@ -55,8 +55,8 @@ def normalize_text(text: str, lang: Lang | None = None, *, use_wetext: bool = Tr
     """Normalize one paragraph (newlines inside are treated as blanks)."""
     text = _INVISIBLE.sub("", text)
     text = " ".join(text.split())
-    if not text:
-        return ""
+    if not text or ("<|" in text and "|>" in text):
+        return text  # special tokens inside: left as written (the official frontend does the same)
     lang = lang or detect_lang(text)
     return _normalize_zh(text, use_wetext) if lang == "zh" else _normalize_en(text, use_wetext)
 

@@ -227,3 +227,7 @@ def test_engine_tokenizer_plugs_in_as_length_function(tiny_model_dir):
     assert all(n <= max(80, 60 + longest) for n in lengths[:-1]), lengths
     assert lengths[-1] < max(80, 60 + longest) + 20
     assert sum(lengths) / len(lengths) > 60  # packed up to the target, not cut short
+
+
+def test_text_with_special_tokens_is_left_as_written():
+    assert normalize_text("I have 3 <|endofprompt|> cats", "en") == "I have 3 <|endofprompt|> cats"
