@@ -261,18 +261,33 @@ def _split_level(lines: list[_Line]) -> int | None:
     return min(several) if several else min(counts)
 
 
+def _mark_headings(lines: list[_Line], markdown: bool) -> int | None:
+    """Decide which lines are headings; return the level that splits chapters (None: no chapters).
+
+    Markdown headings first (markdown only), then chapter lines ("Chapter 3", "第三章"), then, in
+    .txt only, "# Heading" lines (with no other markdown handling).
+    """
+    level = _split_level(lines) if markdown else None
+    if level is not None:
+        return level
+    for ln in lines:
+        ln.level = None  # markdown headings with empty text: plain content
+    if _mark_chapter_lines(lines):
+        return 0
+    if markdown:
+        return None
+    for ln in lines:
+        if (h := _ATX.fullmatch(ln.text)) is not None and h.group(2):
+            ln.text, ln.level = h.group(2).strip(), len(h.group(1))
+    return _split_level(lines)
+
+
 def _split_text(text: str, name: str, *, markdown: bool, default_title: str) -> list[Chapter]:
     """Chapters of one decoded text file (indices 0..n-1; the caller renumbers)."""
     if not text.strip():
         raise CorpusError(f"{name}: no text (empty corpus)")
     lines = _markdown_lines(text) if markdown else _plain_lines(text)
-    level = _split_level(lines) if markdown else None
-    if level is None:
-        # Plain chapter lines ("Chapter 3", "第三章"), also in markdown without headings.
-        for ln in lines:
-            if ln.level is not None:  # markdown headings with empty text: plain content
-                ln.level = None
-        level = 0 if _mark_chapter_lines(lines) else None
+    level = _mark_headings(lines, markdown)
 
     chapters: list[Chapter] = []
     title, source, body = None, f"{name}:1", []
@@ -385,10 +400,7 @@ def _read_directory(folder: Path) -> list[Chapter]:
             raise CorpusError(f"{f}: no text (empty file)")
         markdown = f.suffix.lower() in MARKDOWN_SUFFIXES
         lines = _markdown_lines(text) if markdown else _plain_lines(text)
-        if not markdown or _split_level(lines) is None:
-            for ln in lines:
-                ln.level = None
-            _mark_chapter_lines(lines)
+        _mark_headings(lines, markdown)
         title = next((ln.text for ln in lines if ln.level is not None and ln.text), f.stem)
         body = "\n\n".join(p.text for p in _paragraphs(lines))
         if not body.strip():

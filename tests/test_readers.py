@@ -55,6 +55,8 @@ def test_txt_chapters_arabic_and_roman(tmp_path):
 def test_txt_without_front_matter_or_headings(tmp_path):
     chapters = read_corpus(write(tmp_path, "a.txt", "Chapter One: Start\n\nHello.\n\nChapter Two\n\nBye.\n"))
     assert [c.title for c in chapters] == ["Chapter One: Start", "Chapter Two"]
+    hashes = read_corpus(write(tmp_path, "h.txt", "# One\n\nA *b*.\n\n# Two\n\nC.\n"))
+    assert [(c.title, c.text) for c in hashes] == [("One", "One\n\nA *b*."), ("Two", "Two\n\nC.")]
     plain = read_corpus(write(tmp_path, "notes.txt", "Just a note.\nOn two lines.\n"))
     assert len(plain) == 1 and plain[0].title == "notes" and plain[0].text == "Just a note. On two lines."
 
@@ -154,13 +156,14 @@ def test_directory_natural_sort_and_titles(tmp_path):
     write(d, "2.txt", "Chapter 2: Two\n\nTwo.\n")
     write(d, "1.md", "Some text before.\n\n# The Beginning\n\nOne.\n")
     write(d, "3-untitled.txt", "No heading here.\n")
+    write(d, "4.txt", "# Hash Title\n\nFour.\n")
     write(d, "notes.json", "{}")  # ignored: not a text chapter
     write(d, ".hidden.txt", "ignored")
     chapters = read_corpus(d)
-    assert [c.title for c in chapters] == ["The Beginning", "Chapter 2: Two", "3-untitled", "Chapter 10"]
-    assert [c.index for c in chapters] == [0, 1, 2, 3]
+    assert [c.title for c in chapters] == ["The Beginning", "Chapter 2: Two", "3-untitled", "Hash Title", "Chapter 10"]
+    assert [c.index for c in chapters] == [0, 1, 2, 3, 4]
     assert chapters[0].text == "Some text before.\n\nThe Beginning\n\nOne."
-    assert chapters[3].source.endswith("10.txt")
+    assert chapters[4].source.endswith("10.txt")
     assert sorted(["10.txt", "2.txt", "1.txt", "b2.md", "b10.md"], key=natural_key) == ["1.txt", "2.txt", "10.txt", "b2.md", "b10.md"]
 
 
