@@ -85,7 +85,8 @@ def split_sentences(text: str, lang: Lang, comma_split: bool = False) -> list[st
 
 
 def _cut_long(sentence: str, lang: Lang, length: LengthFn, rules: SplitRules) -> list[str]:
-    """Cut one over-long sentence into pieces of at most token_max_n: at commas, then blanks, then chars."""
+    """Cut a sentence longer than hard_max_n into pieces of at most token_max_n: at commas, then at
+    blanks (English; a single blank-free run longer than that stays whole) or characters (Chinese)."""
     if length(sentence) <= rules.hard_max_n:
         return [sentence]
     pieces: list[str] = []
