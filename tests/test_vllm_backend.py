@@ -338,3 +338,58 @@ def test_request_validation(backend, ref, min_len):
         list(backend.generate([_fixture_request(ref, min_len, max_tokens=1000)]))
     with pytest.raises(ValueError, match="prompt speech token"):
         list(backend.generate([LlmRequest([1, 2], [300], min_tokens=0, max_tokens=5, seed=0)]))
+
+
+@needs_fixture
+def test_logits_processor_v2_reads_the_device_history(ref):
+    """The Model Runner V2 processor (GPU, vLLM 0.3x) on hand-built runner state: same rows as V1.
+
+    Slot 2 holds a 10-token prompt and 12 decoded tokens; this step feeds the newest one (position 21),
+    which the committed history may not hold yet, so it must come from `input_ids`.
+    """
+    _vllm_or_skip()
+    from types import SimpleNamespace
+
+    from vllm import SamplingParams
+
+    from worker.cosyvoice2.ras import RasLogitsProcessorV2, RasParams, ras_extra_args, ras_logits
+
+    if RasLogitsProcessorV2 is None:
+        pytest.skip("this vLLM has no Model Runner V2 logits-processor API")
+    from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsContext, LogitsProcRequestState
+
+    logits, decoded = _ras_case(ref)
+    history = torch.zeros(4, 64, dtype=torch.int32)
+    history[2, 10:21] = torch.tensor(decoded[:-1], dtype=torch.int32)
+    history[2, 21] = 299  # not committed yet: garbage that must not be read
+    state = LogitsProcRequestState(
+        device=torch.device("cpu"),
+        max_num_reqs=4,
+        vocab_size=303,
+        all_token_ids=SimpleNamespace(gpu=history),
+        prompt_len=SimpleNamespace(gpu=torch.tensor([0, 5, 10, 0], dtype=torch.int32)),
+        prefill_len=SimpleNamespace(gpu=torch.tensor([0, 5, 10, 0], dtype=torch.int32)),
+        total_len=SimpleNamespace(gpu=torch.tensor([0, 5, 22, 0], dtype=torch.int32)),
+    )
+    proc = RasLogitsProcessorV2(None, state)
+    assert proc.add_request(2, SamplingParams(extra_args=ras_extra_args(RasParams(eos_id=300, min_tokens=13))))
+    assert proc.add_request(1, SamplingParams(extra_args=ras_extra_args(RasParams(eos_id=300, min_tokens=1))))
+    assert not proc.add_request(0, SamplingParams())
+    # Rows: slot 0 (plain), slot 2 (decode step at position 21), slot 1 (first sample after its prompt).
+    ctx = LogitsContext(
+        expanded_idx_mapping=torch.tensor([0, 2, 1], dtype=torch.int32),
+        idx_mapping=torch.tensor([0, 2, 1], dtype=torch.int32),
+        idx_mapping_np=np.array([0, 2, 1], dtype=np.int32),
+        expanded_local_pos=torch.zeros(3, dtype=torch.int32),
+        input_ids=torch.tensor([7, decoded[-1], 0], dtype=torch.int32),
+        pos=torch.tensor([3, 21, 4], dtype=torch.int32),
+        seq_lens_upper_bound_np=np.array([4, 22, 5], dtype=np.int32),
+    )
+    out = proc.apply(logits.expand(3, -1).clone(), ctx)
+    torch.testing.assert_close(out[0], logits)
+    no = torch.tensor([False])
+    expected = ras_logits(logits[None], torch.tensor([decoded[-10:]]), torch.tensor([0.8]), torch.tensor([25]), torch.tensor([1.0]), torch.tensor([True]), no, 300)[0]
+    torch.testing.assert_close(out[1], expected)  # 12 decoded < 13: eos still masked
+    assert out[1][300] == float("-inf")
+    fresh = ras_logits(logits[None], torch.full((1, 10), -1), torch.tensor([0.8]), torch.tensor([25]), torch.tensor([1.0]), torch.tensor([True]), no, 300)[0]
+    torch.testing.assert_close(out[2], fresh)  # nothing decoded yet: empty window, eos masked

@@ -214,7 +214,12 @@ else:
         def apply(self, logits: torch.Tensor, ctx: LogitsContext) -> torch.Tensor:
             if not self.slots:
                 return logits
-            slot_of_row = ctx.expanded_idx_mapping.tolist()
+            # Row -> slot on the host: idx_mapping_np when rows are requests (no speculative
+            # decoding), else one device->host copy.
+            if len(ctx.idx_mapping_np) == logits.shape[0]:
+                slot_of_row = ctx.idx_mapping_np.tolist()
+            else:
+                slot_of_row = ctx.expanded_idx_mapping.tolist()
             rows = [r for r, s in enumerate(slot_of_row) if s in self.slots]
             if not rows:
                 return logits
