@@ -161,6 +161,9 @@ class Pipeline:
 
     def _store(self, tag: _Tag, result: SynthesisResult) -> None:
         task, seg = tag.handle.task, tag.segment
+        if self.jobs.state(task.job_id) in (None, "cancelled"):
+            tag.handle.segment_finished()  # rendered before the cancel reached us: keep storage as Redis says
+            return
         t0 = time.perf_counter()
         data = encode(result.audio, self.engine.sample_rate, task.format)
         self.storage.put(seg.key, data, content_type(task.format))
