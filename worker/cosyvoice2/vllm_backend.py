@@ -99,6 +99,11 @@ class VllmLlmBackend(LlmBackend):
     def from_settings(cls, settings: Any) -> VllmLlmBackend:
         if not settings.model_dir:
             raise ValueError("the vllm backend needs settings.model_dir")
+        device = getattr(settings, "llm_device", None)
+        if device and device.startswith("cuda:") and device != "cuda:0":
+            # vLLM places its worker on the first visible GPU; the launcher picks the GPU through
+            # CUDA_VISIBLE_DEVICES before anything touches CUDA.
+            log.warning("llm_device=%s: the vllm backend uses the first visible GPU (set CUDA_VISIBLE_DEVICES)", device)
         options = VllmOptions(
             gpu_memory_utilization=settings.vllm_gpu_memory_utilization,
             max_num_seqs=settings.engine_max_batch,
@@ -162,9 +167,13 @@ class VllmLlmBackend(LlmBackend):
         )
 
     def close(self) -> None:
+        """Stop the driver thread and the engine core (frees the KV cache)."""
         if self._driver.is_alive():
             self._inbox.put(("stop", None))
             self._driver.join(timeout=60)
+        core = getattr(self.engine, "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
 
     # -- the driver thread -------------------------------------------------------------------------
 
