@@ -246,6 +246,13 @@ def test_batched_equals_single(backend, ref, greedy):
         assert len(toks) <= q.max_tokens and all(0 <= t < 300 for t in toks)
 
 
+def test_padded_batch_rows_change_nothing(backend, ref):
+    """Waves padded to a power of two (as compiled GPU decoding does) give the same tokens."""
+    padded = TorchLlmBackend(backend.model, max_batch=4, max_seq=256, bucket_batches=True)
+    reqs = _mixed_requests(ref, greedy=False)  # 3 requests -> 4 rows
+    assert {r.index: r.tokens for r in padded.generate(reqs)} == {r.index: r.tokens for r in backend.generate(reqs)}
+
+
 def test_ras_seed_changes_tokens_and_order_does_not(backend, ref):
     reqs = _mixed_requests(ref, greedy=False)
     first = {r.index: r.tokens for r in backend.generate(reqs)}

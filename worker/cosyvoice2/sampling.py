@@ -136,10 +136,39 @@ def ras_sample(
     return torch.where(reps >= threshold, random_sample(logp, u_full), top)
 
 
-class BatchSampler:
-    """Per-row RAS settings and seeds for one decoding batch; `__call__` samples a step on device."""
+def sample_tokens(
+    logp: Tensor,  # (B, V) raw log-probs of the next token
+    n_decoded: Tensor,  # (B,) tokens each row has decoded so far
+    min_tokens: Tensor,  # (B,) eos is masked while n_decoded < min_tokens
+    recent: Tensor,  # (B, W) last decoded tokens, -1 where fewer
+    step: Tensor,  # () the step counter the uniforms hash (equals n_decoded for live rows)
+    keys: Tensor,  # (B,) per-row seed keys (`seed_keys`)
+    top_p: Tensor,  # (B,)
+    top_k: Tensor,  # (B,)
+    win_size: Tensor,  # (B,)
+    tau_r: Tensor,  # (B,)
+    greedy: Tensor,  # (B,) bool: argmax instead of RAS
+    eos_id: int,
+) -> Tensor:
+    """One decoding step's token choice for every row: eos mask, then RAS (or argmax). Pure; compilable."""
+    logp = mask_eos(logp.float(), n_decoded, min_tokens, eos_id)
+    u1 = uniforms(keys, step, _DRAW_NUCLEUS)
+    u2 = uniforms(keys, step, _DRAW_FULL)
+    drawn = ras_sample(logp, recent, u1, u2, top_p, top_k, win_size, tau_r)
+    return torch.where(greedy, logp.argmax(dim=-1), drawn)
 
-    def __init__(self, seeds: list[int], configs: list[RasConfig], greedy: list[bool], device: torch.device | str):
+
+class BatchSampler:
+    """Per-row RAS settings and seeds for one decoding batch, sampled on device with no host sync.
+
+    `fn` may be a compiled `sample_tokens` (see `compile_sample_tokens`): the whole step (mask, sort,
+    both draws, repetition check) then runs as one CUDA graph, as gpt-fast does with its sampling; its
+    result is cloned before it is kept.
+    """
+
+    def __init__(
+        self, seeds: list[int], configs: list[RasConfig], greedy: list[bool], device: torch.device | str, eos_id: int, fn=sample_tokens
+    ):
         self.keys = seed_keys(seeds, device)
         self.top_p = torch.tensor([c.top_p for c in configs], device=device)
         self.top_k = torch.tensor([c.top_k for c in configs], device=device)
@@ -147,13 +176,21 @@ class BatchSampler:
         self.tau_r = torch.tensor([c.tau_r for c in configs], device=device)
         self.greedy = torch.tensor(greedy, device=device)
         self.window = max(c.win_size for c in configs)  # W of the `recent` buffer
+        self.eos_id = eos_id
+        self.compiled = fn is not sample_tokens
+        self._fn = fn
 
-    def __call__(self, logp: Tensor, recent: Tensor, step: Tensor | int) -> Tensor:
-        """logp (B, V) (eos masked), recent (B, W), step: each row's decoded count -> tokens (B,)."""
-        u1 = uniforms(self.keys, step, _DRAW_NUCLEUS)
-        u2 = uniforms(self.keys, step, _DRAW_FULL)
-        drawn = ras_sample(logp.float(), recent, u1, u2, self.top_p, self.top_k, self.win_size, self.tau_r)
-        return torch.where(self.greedy, logp.argmax(dim=-1), drawn)
+    def __call__(self, logp: Tensor, n_decoded: Tensor, min_tokens: Tensor, recent: Tensor, step: Tensor) -> Tensor:
+        """logp (B, V), n_decoded (B,), min_tokens (B,), recent (B, W), step () -> tokens (B,)."""
+        tok = self._fn(
+            logp, n_decoded, min_tokens, recent, step, self.keys, self.top_p, self.top_k, self.win_size, self.tau_r, self.greedy, self.eos_id
+        )
+        return tok.clone() if self.compiled else tok
+
+
+def compile_sample_tokens():
+    """`sample_tokens` compiled with CUDA graphs (one graph per batch shape; keep the result)."""
+    return torch.compile(sample_tokens, mode="reduce-overhead", fullgraph=True, dynamic=False)
 
 
 # -- replay of the official torch-RNG draws (one sequence, tests) ----------------------------------

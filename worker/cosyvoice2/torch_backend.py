@@ -17,39 +17,52 @@ import torch
 
 from worker.cosyvoice2.llm import CosyVoice2LM
 from worker.cosyvoice2.llm_backend import LlmBackend, LlmRequest, LlmResult
-from worker.cosyvoice2.sampling import BatchSampler, RasConfig, mask_eos
+from worker.cosyvoice2.sampling import BatchSampler, RasConfig, compile_sample_tokens, sample_tokens
+
+
+def _bucket(n: int, cap: int) -> int:
+    """Next power of two >= n (at most cap): compiled steps see a few batch shapes, not every B."""
+    b = 1
+    while b < n:
+        b *= 2
+    return min(b, cap)
 
 
 class _Wave:
-    """Decoding state of one batch of requests (all tensors on the model's device)."""
+    """Decoding state of one batch of requests (all tensors on the model's device).
+
+    With `rows > len(requests)` the extra rows are padding (never alive), so a compiled step sees one
+    of a few batch shapes; they decode garbage into their own cache rows and are never read.
+    """
 
     @torch.inference_mode()
-    def __init__(self, model: CosyVoice2LM, requests: list[LlmRequest]):
-        self.model = model
+    def __init__(self, model: CosyVoice2LM, requests: list[LlmRequest], rows: int, sample_fn):
+        self.model, self.n_real = model, len(requests)
         dev = model.llm_decoder.weight.device
+        padded = requests + [requests[0]] * (rows - len(requests))
         embeds, lengths = model.embed_batch([(r.text_tokens, r.prompt_speech_tokens) for r in requests])
-        self.prompt_lens = [len(r.text_tokens) + len(r.prompt_speech_tokens) + 2 for r in requests]
-        self.lengths = lengths  # (B,) prompt lengths: row b writes its s-th decoded token's K/V at lengths[b] + s
-        self.logp = model.prefill(embeds, lengths)  # (B, S+3) next-token log-probs
-        configs = [RasConfig(r.top_p, r.top_k, r.win_size, r.tau_r) for r in requests]
-        self.sampler = BatchSampler([r.seed for r in requests], configs, [r.greedy for r in requests], dev)
-        self.min_tokens = torch.tensor([r.min_tokens for r in requests], device=dev)
-        self.max_tokens = torch.tensor([r.max_tokens for r in requests], device=dev)
-        B, self.steps = len(requests), max(r.max_tokens for r in requests)
-        self.recent = torch.full((B, self.sampler.window), -1, dtype=torch.long, device=dev)  # (B, W)
-        self.tokens = torch.zeros((B, self.steps), dtype=torch.long, device=dev)  # (B, steps) decoded ids
-        self.n_out = torch.zeros(B, dtype=torch.long, device=dev)
-        self.alive = torch.ones(B, dtype=torch.bool, device=dev)
+        self.prompt_max = int(embeds.shape[1])
+        self.lengths = torch.zeros(rows, dtype=torch.long, device=dev)  # (B,) row b writes token s at lengths[b] + s
+        self.lengths[: len(requests)] = lengths
+        self.logp = torch.zeros((rows, model.dims.n_speech), device=dev)  # (B, S+3) next-token log-probs
+        self.logp[: len(requests)] = model.prefill(embeds, lengths)
+        configs = [RasConfig(r.top_p, r.top_k, r.win_size, r.tau_r) for r in padded]
+        self.sampler = BatchSampler([r.seed for r in padded], configs, [r.greedy for r in padded], dev, model.dims.eos_id, fn=sample_fn)
+        self.min_tokens = torch.tensor([r.min_tokens for r in padded], device=dev)
+        self.max_tokens = torch.tensor([r.max_tokens for r in padded], device=dev)
+        self.steps = max(r.max_tokens for r in requests)
+        self.recent = torch.full((rows, self.sampler.window), -1, dtype=torch.long, device=dev)  # (B, W)
+        self.tokens = torch.zeros((rows, self.steps), dtype=torch.long, device=dev)  # (B, steps) decoded ids
+        self.n_out = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.alive = torch.arange(rows, device=dev) < len(requests)
         self.step_t = torch.zeros((), dtype=torch.long, device=dev)  # the step counter the uniforms hash, kept on device
 
     @torch.inference_mode()
     def step(self, s: int) -> None:
-        """Sample token s of every alive row from `self.logp`, then run the decode step for s + 1."""
-        d = self.model.dims
-        logp = mask_eos(self.logp, self.n_out, self.min_tokens, d.eos_id)
-        tok = self.sampler(logp, self.recent, self.step_t)  # alive rows have decoded exactly s tokens
+        """Choose token s of every alive row from `self.logp`, then run the decode step for s + 1."""
+        tok = self.sampler(self.logp, self.n_out, self.min_tokens, self.recent, self.step_t)  # alive rows have decoded s tokens
         self.step_t += 1
-        appended = self.alive & (tok < d.speech_token_size)  # any of the three stop ids ends a row
+        appended = self.alive & (tok < self.model.dims.speech_token_size)  # any of the three stop ids ends a row
         self.tokens[:, s] = tok
         self.n_out += appended
         self.alive = appended & (self.n_out < self.max_tokens)
@@ -58,14 +71,13 @@ class _Wave:
         if s + 1 < self.steps:
             t_max = self.model.cache_shape[1]
             positions = (self.lengths + s).clamp(max=t_max - 1)  # finished rows only ever touch their own row
-            kv_len = min(max(self.prompt_lens) + s + 1, t_max)
-            self.logp = self.model.decode_step(tok, positions, kv_len)
+            self.logp = self.model.decode_step(tok, positions, kv_len=min(self.prompt_max + s + 1, t_max))
 
     @torch.inference_mode()
     def collect(self, done: set[int]) -> dict[int, list[int]]:
-        """One host sync: rows that have stopped and are not in `done`, with their tokens."""
+        """One host sync: real rows that have stopped and are not in `done`, with their tokens."""
         alive, n_out = self.alive.tolist(), self.n_out.tolist()
-        rows = [b for b, a in enumerate(alive) if not a and b not in done]
+        rows = [b for b in range(self.n_real) if not alive[b] and b not in done]
         if not rows:
             return {}
         tokens = self.tokens[rows].tolist()
@@ -77,10 +89,20 @@ class TorchLlmBackend(LlmBackend):
 
     name = "torch"
 
-    def __init__(self, model: CosyVoice2LM, max_batch: int = 64, max_seq: int = 4096, compile_decode: bool = False, sync_every: int = 16):
+    def __init__(
+        self,
+        model: CosyVoice2LM,
+        max_batch: int = 64,  # rows of the KV cache; larger request lists are decoded in waves
+        max_seq: int = 4096,  # positions of the KV cache: prompt + max_tokens must fit
+        compile_decode: bool = False,  # CUDA graphs for the decode step and the sampler (GPU only)
+        sync_every: int = 16,  # steps between host looks for finished rows
+        bucket_batches: bool | None = None,  # pad waves to a power of two (default: when compiled)
+    ):
         self.model = model
         self.max_batch, self.max_seq, self.sync_every = max_batch, max_seq, sync_every
+        self.bucket = compile_decode if bucket_batches is None else bucket_batches
         model.setup_cache(max_batch, max_seq, compile_decode=compile_decode)
+        self._sample_fn = compile_sample_tokens() if compile_decode else sample_tokens
 
     @classmethod
     def from_model_dir(
@@ -114,7 +136,8 @@ class TorchLlmBackend(LlmBackend):
             yield from self._decode_wave(base, requests[base : base + self.max_batch])
 
     def _decode_wave(self, base: int, requests: list[LlmRequest]) -> Iterator[LlmResult]:
-        wave = _Wave(self.model, requests)
+        rows = _bucket(len(requests), self.max_batch) if self.bucket else len(requests)
+        wave = _Wave(self.model, requests, rows, self._sample_fn)
         # Steps after which some row is certainly done (it reached max_tokens): worth a look.
         cap_steps = {r.max_tokens for r in requests}
         done: set[int] = set()
@@ -124,6 +147,6 @@ class TorchLlmBackend(LlmBackend):
                 for b, tokens in wave.collect(done).items():
                     done.add(b)
                     yield LlmResult(index=base + b, tokens=tokens)
-                if len(done) == len(requests):
+                if len(done) == wave.n_real:
                     return
 
