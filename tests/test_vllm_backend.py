@@ -395,3 +395,26 @@ def test_logits_processor_v2_reads_the_device_history(ref):
     assert out[1][300] == float("-inf")
     fresh = ras_logits(logits[None], torch.full((1, 10), -1), torch.tensor([0.8]), torch.tensor([25]), torch.tensor([1.0]), torch.tensor([True]), no, 300)[0]
     torch.testing.assert_close(out[2], fresh)  # nothing decoded yet: empty window, eos masked
+
+
+def test_engine_samples_the_ras_distribution(backend, ref):
+    """First tokens over many seeds follow P exactly: vLLM adds no temperature/top-k/top-p of its own.
+
+    1600 seeded requests of one token; P is the closed form on the official step-0 log-probs (empty
+    window, no eos mask). Tolerance: TV < 0.08 (sampling noise alone is about 0.04 here).
+    """
+    from worker.cosyvoice2.ras import ras_logits
+
+    n = 1600
+    base = _fixture_request(ref, 0)
+    reqs = [LlmRequest(base.text_tokens, base.prompt_speech_tokens, min_tokens=0, max_tokens=1, seed=5000 + i) for i in range(n)]
+    counts = np.zeros(303)
+    for r in backend.generate(reqs):
+        assert len(r.tokens) <= 1
+        counts[r.tokens[0] if r.tokens else 300] += 1  # an empty result means a stop id was drawn
+    logp = torch.from_numpy(ref["llm_greedy_logp_unmasked"][0]).float()
+    no = torch.tensor([False])
+    P = ras_logits(logp[None], torch.full((1, 10), -1), torch.tensor([0.8]), torch.tensor([25]), torch.tensor([1.0]), no, no, 300)[0].exp().double().numpy()
+    tv = 0.5 * np.abs(counts / n - P).sum()
+    assert tv < 0.08, tv
+    assert set(np.flatnonzero(counts)) <= set(np.flatnonzero(P > 0))  # nothing outside the nucleus
