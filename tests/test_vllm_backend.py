@@ -340,6 +340,13 @@ def test_request_validation(backend, ref, min_len):
         list(backend.generate([_fixture_request(ref, min_len, max_tokens=1000)]))
     with pytest.raises(ValueError, match="prompt speech token"):
         list(backend.generate([LlmRequest([1, 2], [300], min_tokens=0, max_tokens=5, seed=0)]))
+    # Rejected inside the engine (the RAS processor validates its settings): that call fails, the
+    # engine goes on serving.
+    bad = _fixture_request(ref, min_len, greedy=False, top_k=0)
+    with pytest.raises(RuntimeError, match="cosyvoice2_ras"):
+        list(backend.generate([_fixture_request(ref, min_len), bad]))
+    (again,) = list(backend.generate([_fixture_request(ref, min_len)]))
+    assert again.tokens == ref["llm_greedy_tokens"].tolist()
 
 
 @needs_fixture

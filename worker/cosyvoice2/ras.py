@@ -24,7 +24,7 @@ its engine uses.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -64,7 +64,7 @@ class RasParams:
 
 def ras_extra_args(params: RasParams) -> dict[str, Any]:
     """`SamplingParams(extra_args=...)` that turn RAS on for one request."""
-    return {EXTRA_ARGS_KEY: dict(params.__dict__)}
+    return {EXTRA_ARGS_KEY: asdict(params)}
 
 
 def ras_logits(

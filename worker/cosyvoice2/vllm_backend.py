@@ -134,7 +134,7 @@ class VllmLlmBackend(LlmBackend):
             while done < len(requests):
                 item = job.results.get()
                 if isinstance(item, BaseException):
-                    raise RuntimeError("vLLM engine step failed") from item
+                    raise RuntimeError(f"vLLM failed on this batch: {item}") from item
                 done += 1
                 yield item
         finally:
@@ -192,9 +192,18 @@ class VllmLlmBackend(LlmBackend):
                     return
                 if kind == "add":
                     job, index_of, items = payload
-                    for rid, prompt, params in items:
-                        owners[rid] = (job, index_of[rid])
-                        self.engine.add_request(rid, prompt, params)
+                    added: list[str] = []
+                    try:
+                        for rid, prompt, params in items:
+                            self.engine.add_request(rid, prompt, params)
+                            owners[rid] = (job, index_of[rid])
+                            added.append(rid)
+                    except Exception as e:  # noqa: BLE001 - a rejected request fails its own call only
+                        for rid in added:
+                            owners.pop(rid, None)
+                        if added:
+                            self.engine.abort_request(added)
+                        job.results.put(e)
                 elif kind == "abort":
                     live = [rid for rid in payload if rid in owners]
                     for rid in live:
