@@ -248,9 +248,19 @@ def test_batched_equals_single(backend, ref, greedy):
 
 def test_padded_batch_rows_change_nothing(backend, ref):
     """Waves padded to a power of two (as compiled GPU decoding does) give the same tokens."""
-    padded = TorchLlmBackend(backend.model, max_batch=4, max_seq=256, bucket_batches=True)
+    padded = TorchLlmBackend(CosyVoice2LM.from_model_dir(FIXTURE), max_batch=4, max_seq=256, bucket_batches=True)
     reqs = _mixed_requests(ref, greedy=False)  # 3 requests -> 4 rows
     assert {r.index: r.tokens for r in padded.generate(reqs)} == {r.index: r.tokens for r in backend.generate(reqs)}
+
+
+def test_continuous_batching_refills_freed_rows(backend, ref):
+    """6 requests through 2 rows: each freed row takes the next request; tokens as if decoded alone."""
+    two_rows = TorchLlmBackend(CosyVoice2LM.from_model_dir(FIXTURE), max_batch=2, max_seq=256, sync_every=4)
+    reqs = _mixed_requests(ref, greedy=False) + _mixed_requests(ref, greedy=True)
+    reqs = [LlmRequest(**{**q.__dict__, "seed": 50 + i}) for i, q in enumerate(reqs)]
+    got = {r.index: r.tokens for r in two_rows.generate(reqs)}
+    assert sorted(got) == list(range(6))
+    assert [got[i] for i in range(6)] == [next(iter(backend.generate([q]))).tokens for q in reqs]
 
 
 def test_ras_seed_changes_tokens_and_order_does_not(backend, ref):

@@ -135,6 +135,7 @@ class Attention(nn.Module):
         sin: Tensor,
         mask: Tensor,  # (B, 1, T, S) bool, True = may attend; S = T without cache / kv_len when decoding
         cache: tuple[Tensor, Tensor] | None = None,  # this layer's (k, v), each (B_max, kv_heads, T_max, head_dim)
+        write_rows: Tensor | None = None,  # prefill: (B,) cache row of each sequence
         write_pos: Tensor | None = None,  # decode: (B,) position each row's token is written at
         kv_len: int = 0,  # decode: how many cache positions to attend over
     ) -> Tensor:
@@ -145,9 +146,9 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             cache_k, cache_v = cache
-            if write_pos is None:  # prefill: rows [0, B), positions [0, T); attend within the prompt
-                cache_k[:B, :, :T] = k
-                cache_v[:B, :, :T] = v
+            if write_pos is None:  # prefill: rows `write_rows`, positions [0, T); attend within the prompt
+                cache_k[write_rows, :, :T] = k  # (B, KVH, T, hd)
+                cache_v[write_rows, :, :T] = v
             else:  # decode: T == 1, row b at write_pos[b]; attend over the cache
                 rows = torch.arange(B, device=x.device)
                 cache_k[rows, :, write_pos] = k[:, :, 0]  # (B, KVH, hd)
@@ -197,13 +198,14 @@ class Qwen2Body(nn.Module):
         positions: Tensor,  # (B, T) int
         mask: Tensor,  # (B, 1, T, S) bool
         cache: tuple[Tensor, Tensor] | None = None,  # (layers, B_max, KVH, T_max, hd) each
+        write_rows: Tensor | None = None,
         write_pos: Tensor | None = None,
         kv_len: int = 0,
     ) -> Tensor:
         cos, sin = rope_cos_sin(positions, self.dims.head_dim, self.dims.rope_theta, x.dtype)
         for i, layer in enumerate(self.layers):
             layer_cache = None if cache is None else (cache[0][i], cache[1][i])
-            x = layer(x, cos, sin, mask, cache=layer_cache, write_pos=write_pos, kv_len=kv_len)
+            x = layer(x, cos, sin, mask, cache=layer_cache, write_rows=write_rows, write_pos=write_pos, kv_len=kv_len)
         return self.norm(x)
 
 
@@ -315,18 +317,20 @@ class CosyVoice2LM(nn.Module):
             raise RuntimeError("call setup_cache() before prefill/decode_step")
         return self.cache_k.shape[1], self.cache_k.shape[3]
 
-    def prefill(self, embeds: Tensor, lengths: Tensor, all_positions: bool = False) -> Tensor:
-        """Run right-padded prompts (B, T, D) into cache rows [0, B).
+    def prefill(self, embeds: Tensor, lengths: Tensor, all_positions: bool = False, rows: Tensor | None = None) -> Tensor:
+        """Run right-padded prompts (B, T, D) into cache rows `rows` (B,) (default [0, B)).
 
         Returns the log-probs of the token after each prompt (B, S+3), or at every position (B, T, S+3).
         Padded positions write garbage into the cache; decoding overwrites each before it is attended.
         """
         B, T, _ = embeds.shape
         b_max, t_max = self.cache_shape
-        if B > b_max or T > t_max:
+        if T > t_max or (rows is None and B > b_max):
             raise ValueError(f"prefill of {B}x{T} does not fit the KV cache ({b_max}x{t_max})")
         positions = torch.arange(T, device=embeds.device).expand(B, T)
-        hidden = self.body(embeds, positions, padding_causal_mask(lengths, T), cache=(self.cache_k, self.cache_v))  # (B, T, D)
+        rows = torch.arange(B, device=embeds.device) if rows is None else rows
+        mask = padding_causal_mask(lengths, T)
+        hidden = self.body(embeds, positions, mask, cache=(self.cache_k, self.cache_v), write_rows=rows)  # (B, T, D)
         if all_positions:
             return self.logp(hidden)
         last = hidden[torch.arange(B, device=embeds.device), lengths - 1]  # (B, D)

@@ -141,7 +141,6 @@ def sample_tokens(
     n_decoded: Tensor,  # (B,) tokens each row has decoded so far
     min_tokens: Tensor,  # (B,) eos is masked while n_decoded < min_tokens
     recent: Tensor,  # (B, W) last decoded tokens, -1 where fewer
-    step: Tensor,  # () the step counter the uniforms hash (equals n_decoded for live rows)
     keys: Tensor,  # (B,) per-row seed keys (`seed_keys`)
     top_p: Tensor,  # (B,)
     top_k: Tensor,  # (B,)
@@ -150,41 +149,52 @@ def sample_tokens(
     greedy: Tensor,  # (B,) bool: argmax instead of RAS
     eos_id: int,
 ) -> Tensor:
-    """One decoding step's token choice for every row: eos mask, then RAS (or argmax). Pure; compilable."""
+    """One decoding step's token choice for every row: eos mask, then RAS (or argmax). Pure; compilable.
+
+    The uniforms hash each row's own decoded count, so a row's draws never depend on its neighbours
+    or on when it joined the batch.
+    """
     logp = mask_eos(logp.float(), n_decoded, min_tokens, eos_id)
-    u1 = uniforms(keys, step, _DRAW_NUCLEUS)
-    u2 = uniforms(keys, step, _DRAW_FULL)
+    u1 = uniforms(keys, n_decoded, _DRAW_NUCLEUS)
+    u2 = uniforms(keys, n_decoded, _DRAW_FULL)
     drawn = ras_sample(logp, recent, u1, u2, top_p, top_k, win_size, tau_r)
     return torch.where(greedy, logp.argmax(dim=-1), drawn)
 
 
 class BatchSampler:
-    """Per-row RAS settings and seeds for one decoding batch, sampled on device with no host sync.
+    """Per-row RAS settings and seed keys for the rows of a decoding batch, sampled with no host sync.
 
-    `fn` may be a compiled `sample_tokens` (see `compile_sample_tokens`): the whole step (mask, sort,
-    both draws, repetition check) then runs as one CUDA graph, as gpt-fast does with its sampling; its
-    result is cloned before it is kept.
+    Rows are (re)assigned as requests enter the batch. `fn` may be a compiled `sample_tokens` (see
+    `compile_sample_tokens`): the whole step (mask, sort, both draws, repetition check) then runs as
+    one CUDA graph, as gpt-fast does with its sampling; its result is cloned before it is kept.
     """
 
-    def __init__(
-        self, seeds: list[int], configs: list[RasConfig], greedy: list[bool], device: torch.device | str, eos_id: int, fn=sample_tokens
-    ):
-        self.keys = seed_keys(seeds, device)
-        self.top_p = torch.tensor([c.top_p for c in configs], device=device)
-        self.top_k = torch.tensor([c.top_k for c in configs], device=device)
-        self.win_size = torch.tensor([c.win_size for c in configs], device=device)
-        self.tau_r = torch.tensor([c.tau_r for c in configs], device=device)
-        self.greedy = torch.tensor(greedy, device=device)
-        self.window = max(c.win_size for c in configs)  # W of the `recent` buffer
-        self.eos_id = eos_id
+    def __init__(self, rows: int, window: int, device: torch.device | str, eos_id: int, fn=sample_tokens):
+        self.keys = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.top_p = torch.ones(rows, device=device)
+        self.top_k = torch.ones(rows, dtype=torch.int64, device=device)
+        self.win_size = torch.ones(rows, dtype=torch.int64, device=device)
+        self.tau_r = torch.ones(rows, device=device)
+        self.greedy = torch.ones(rows, dtype=torch.bool, device=device)  # idle rows: cheapest choice
+        self.window, self.eos_id = window, eos_id  # window: W of the `recent` buffer
         self.compiled = fn is not sample_tokens
         self._fn = fn
 
-    def __call__(self, logp: Tensor, n_decoded: Tensor, min_tokens: Tensor, recent: Tensor, step: Tensor) -> Tensor:
-        """logp (B, V), n_decoded (B,), min_tokens (B,), recent (B, W), step () -> tokens (B,)."""
-        tok = self._fn(
-            logp, n_decoded, min_tokens, recent, step, self.keys, self.top_p, self.top_k, self.win_size, self.tau_r, self.greedy, self.eos_id
-        )
+    def assign(self, rows: Tensor, seeds: list[int], configs: list[RasConfig], greedy: list[bool]) -> None:
+        """Give rows (n,) to new requests."""
+        if any(c.win_size > self.window for c in configs):
+            raise ValueError(f"win_size above the batch's window {self.window}")
+        dev = self.keys.device
+        self.keys[rows] = seed_keys(seeds, dev)
+        self.top_p[rows] = torch.tensor([c.top_p for c in configs], device=dev)
+        self.top_k[rows] = torch.tensor([c.top_k for c in configs], device=dev)
+        self.win_size[rows] = torch.tensor([c.win_size for c in configs], device=dev)
+        self.tau_r[rows] = torch.tensor([c.tau_r for c in configs], device=dev)
+        self.greedy[rows] = torch.tensor(greedy, device=dev)
+
+    def __call__(self, logp: Tensor, n_decoded: Tensor, min_tokens: Tensor, recent: Tensor) -> Tensor:
+        """logp (B, V), n_decoded (B,), min_tokens (B,), recent (B, W) -> tokens (B,)."""
+        tok = self._fn(logp, n_decoded, min_tokens, recent, self.keys, self.top_p, self.top_k, self.win_size, self.tau_r, self.greedy, self.eos_id)
         return tok.clone() if self.compiled else tok
 
 
