@@ -17,6 +17,7 @@ Tolerances (max abs difference unless stated):
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -44,6 +45,15 @@ def ref(tiny_model_dir: Path) -> dict[str, np.ndarray]:
 def hift(tiny_model_dir: Path) -> HiFTGenerator:
     torch.set_num_threads(1)
     return HiFTGenerator.from_model_dir(tiny_model_dir, "cpu", torch.float32)
+
+
+@pytest.fixture(scope="module")
+def same_rng_as_reference(tiny_model_dir: Path) -> None:
+    """Random streams are torch-version specific (the sampler for a non-contiguous `randn_like`
+    changed between releases): RNG parity is checked only on the reference's torch version."""
+    made_with = json.loads((tiny_model_dir / "reference_meta.json").read_text())["torch"]
+    if torch.__version__.split("+")[0] != made_with.split("+")[0]:
+        pytest.skip(f"reference RNG draws were made with torch {made_with}; this is torch {torch.__version__}")
 
 
 def _t(a: np.ndarray) -> torch.Tensor:
@@ -83,7 +93,7 @@ def test_e2e_audio_from_flow_mel(hift, ref):
 
 
 @torch.inference_mode()
-def test_inference_global_rng_official_order(hift, ref):
+def test_inference_global_rng_official_order(hift, ref, same_rng_as_reference):
     torch.manual_seed(1234)
     wav, source = hift.inference(_t(ref["hift_mel"]))
     assert _maxabs(source, ref["hift_source"]) <= SOURCE_TOL
@@ -97,7 +107,7 @@ def test_inference_global_rng_official_order(hift, ref):
 
 
 @torch.inference_mode()
-def test_inference_seeded_generator(hift, ref):
+def test_inference_seeded_generator(hift, ref, same_rng_as_reference):
     wav, source = hift.inference(_t(ref["hift_mel"]), generators=[torch.Generator().manual_seed(1234)])
     assert _maxabs(source, ref["hift_source"]) <= SOURCE_TOL
     assert _maxabs(wav, ref["hift_wav"]) <= WAV_TOL
@@ -108,7 +118,7 @@ def test_inference_seeded_generator(hift, ref):
 
 
 @torch.inference_mode()
-def test_inference_cache_source(hift, ref):
+def test_inference_cache_source(hift, ref, same_rng_as_reference):
     torch.manual_seed(1235)
     wav, source = hift.inference(_t(ref["hift_mel"]), cache_source=_t(ref["hift_cache_source_in"]))
     assert _maxabs(source, ref["hift_source_cached"]) <= SOURCE_TOL
@@ -194,15 +204,18 @@ def test_missing_key_names_the_file(tiny_model_dir):
 
 @pytest.mark.parametrize("dtype,rel_rms_tol", [(torch.bfloat16, 0.2), (torch.float16, 0.05)])
 @torch.inference_mode()
-def test_half_precision_keeps_f0_and_source_fp32(tiny_model_dir, ref, dtype, rel_rms_tol):
+def test_half_precision_keeps_f0_and_source_fp32(tiny_model_dir, hift, ref, dtype, rel_rms_tol):
     """Generator in bf16/fp16; F0, source and (i)STFT in fp32. The source is then the fp32 one
-    exactly, and the waveform stays near it (measured relative RMS error on random weights:
-    bf16 0.095, fp16 0.017)."""
+    exactly, and the waveform stays near the reference (measured relative RMS error on these
+    random weights: bf16 0.095, fp16 0.017)."""
     model = HiFTGenerator.from_model_dir(tiny_model_dir, "cpu", dtype)
     assert model.conv_pre.weight.dtype == dtype and model.f0_predictor.classifier.weight.dtype == torch.float32
-    wav, source = model.inference(_t(ref["hift_mel"]), generators=[torch.Generator().manual_seed(1234)])
+    mel = _t(ref["hift_mel"])
+    _, source = model.inference(mel, generators=[torch.Generator().manual_seed(5)])
+    _, source32 = hift.inference(mel, generators=[torch.Generator().manual_seed(5)])
+    assert torch.equal(source, source32)
+    wav = model.decode(mel, _t(ref["hift_source"]))
     assert wav.dtype == torch.float32 and torch.isfinite(wav).all()
-    assert _maxabs(source, ref["hift_source"]) <= SOURCE_TOL
     want = _t(ref["hift_wav"])
     rel_rms = ((wav - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt()).item()
     assert rel_rms < rel_rms_tol, rel_rms
@@ -210,13 +223,25 @@ def test_half_precision_keeps_f0_and_source_fp32(tiny_model_dir, ref, dtype, rel
 
 @pytest.mark.gpu
 @torch.inference_mode()
-def test_gpu_half_precision(tiny_model_dir, ref):
-    for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        model = HiFTGenerator.from_model_dir(tiny_model_dir, "cuda", dtype)
-        wav = model.decode(_t(ref["hift_mel"]).cuda(), _t(ref["hift_source"]).cuda()).cpu()
-        want = _t(ref["hift_wav"])
-        rel_rms = ((wav - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt()).item()
-        assert rel_rms < (1e-3 if dtype == torch.float32 else 0.2), (dtype, rel_rms)
-        mels, padded, lengths = _batch(ref)
-        wav_b, _ = model.inference(padded.cuda(), lengths, [torch.Generator().manual_seed(s) for s in (1, 2, 3)])
-        assert torch.isfinite(wav_b).all()
+def test_gpu(tiny_model_dir, ref):
+    """On CUDA with TF32 off (cuDNN's default TF32 convolutions move fp32 output by ~0.7%):
+    fp32 decode within 1e-4 of the reference, batched vs single within 1e-4 (cuDNN picks its
+    algorithm per shape); bf16/fp16 run, keep the fp32 source, and stay near."""
+    mels, padded, lengths = _batch(ref)
+    want = _t(ref["hift_wav"])
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+        for dtype, tol in ((torch.float32, None), (torch.bfloat16, 0.2), (torch.float16, 0.05)):
+            model = HiFTGenerator.from_model_dir(tiny_model_dir, "cuda", dtype)
+            wav = model.decode(_t(ref["hift_mel"]).cuda(), _t(ref["hift_source"]).cuda()).cpu()
+            if tol is None:
+                assert _maxabs(wav, want) <= WAV_TOL
+            else:
+                rel_rms = ((wav - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt()).item()
+                assert rel_rms < tol, (dtype, rel_rms)
+            gens = [torch.Generator(device="cuda").manual_seed(s) for s in (1, 2, 3)]
+            wav_b, _ = model.inference(padded.cuda(), lengths, gens)
+            assert torch.isfinite(wav_b).all()
+            if dtype == torch.float32:
+                for i, m in enumerate(mels):
+                    one, _ = model.inference(m.cuda(), generators=[torch.Generator(device="cuda").manual_seed(i + 1)])
+                    assert _maxabs(wav_b[i : i + 1, : one.shape[1]], one) <= 1e-4
