@@ -132,7 +132,12 @@ class VllmLlmBackend(LlmBackend):
         done = 0
         try:
             while done < len(requests):
-                item = job.results.get()
+                try:
+                    item = job.results.get(timeout=1.0)
+                except queue.Empty:
+                    if not self._driver.is_alive():  # stopped or failed before taking this call
+                        raise RuntimeError("the vLLM driver thread is not running") from self._failed
+                    continue
                 if isinstance(item, BaseException):
                     raise RuntimeError(f"vLLM failed on this batch: {item}") from item
                 done += 1
@@ -257,7 +262,7 @@ def _build_engine(folder: Path, options: VllmOptions) -> tuple[Any, torch.dtype]
         max_model_len=options.max_model_len,
         max_num_seqs=options.max_num_seqs,
         enforce_eager=on_cpu,
-        enable_prefix_caching=False,
+        enable_prefix_caching=False,  # prompts share only sos + prompt text; not worth hashing embeddings
         logits_processors=[RasLogitsProcessor],
         disable_log_stats=True,
         seed=0,
