@@ -76,7 +76,10 @@ class Pipeline:
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> "Pipeline":
-        observe = self.metrics.batch_done if self.metrics is not None else None
+        observe = None
+        if self.metrics is not None:
+            observe = self.metrics.batch_done
+            self.metrics.track_queues(self.intake, self.output)
         t = threading.Thread(target=self.engine.serve, args=(self.intake, self._emit, self._stop, observe),
                              name="engine", daemon=True)
         self._threads.append(t)
@@ -134,8 +137,6 @@ class Pipeline:
             return
         self.intake.put(SynthesisRequest(seg.id, seg.text, task.voice, seg.seed, task.params,
                                          tag=_Tag(handle, seg, attempt)))
-        if self.metrics is not None:
-            self.metrics.queue_depths(self.intake.qsize(), self.output.qsize())
 
     def _emit(self, result: SynthesisResult) -> None:
         try:
