@@ -2,15 +2,15 @@
 # voxbatch GPU worker: `voxbatch worker` (CosyVoice2 engine, torch + vLLM backends).
 #
 # Versions, and why:
-# - vLLM 0.33.0 (PyPI) is built against torch 2.14.0, and PyPI's torch 2.14.0 Linux wheels are CUDA 13
-#   builds (nvidia-*-cu13 dependencies). Both ship SASS for sm_90 (Hopper), sm_100 and sm_120
+# - vLLM 0.33.0 (PyPI) requires torch==2.14.0, and PyPI's torch 2.14.0 Linux wheels are CUDA 13 builds
+#   (they depend on cuda-toolkit==13.0.3, cuDNN/NCCL -cu13). Both ship SASS for sm_90 (Hopper), sm_100 and sm_120
 #   (Blackwell datacenter and RTX 50 / RTX PRO), and sm_80/sm_86/sm_89 (Ampere, Ada). sm_120 needs
 #   CUDA >= 12.8 and torch >= 2.7; vLLM's wheels carry its kernels since 0.9. Pinned below; bump
 #   torch only to the version the chosen vLLM release pins (`pip show vllm` -> Requires torch==...).
-# - Base image: CUDA 13.0 runtime on Ubuntu 24.04, the same CUDA major as the wheels, so the
-#   libraries torch/vLLM load and the ones in the image agree. The wheels bring their own cuBLAS,
-#   cuDNN and NCCL; the base adds the CUDA runtime, the NVIDIA container environment variables and
-#   forward-compatibility packaging. Host driver: >= 580 (CUDA 13). For hosts stuck on a 570-series
+# - Base image: CUDA 13.0 runtime on Ubuntu 24.04, the same CUDA major and minor as the wheels. The
+#   wheels bring their own CUDA runtime, cuBLAS, cuDNN and NCCL (so the image's patch level does not
+#   matter); the base adds the NVIDIA container environment (NVIDIA_VISIBLE_DEVICES, driver
+#   capabilities) and the compat package. Host driver: >= 580 (CUDA 13). For hosts stuck on a 570-series
 #   driver, build with a CUDA 12.9 base *and* torch/vLLM wheels built for cu129 (same versions, from
 #   the PyTorch and vLLM cu129 indexes) -- never mix a cu13 wheel with a 12.x driver.
 # - Python 3.12 (Ubuntu 24.04's), with headers and gcc: Triton and torch.compile build small C
