@@ -8,9 +8,11 @@ One step of the official sampler for one sequence:
 Before min_len tokens, the eos log-prob is set to -inf; any of the three stop ids ends the sequence.
 
 The batched version (`ras_sample`) does both draws for every row with no host sync and picks one with
-`torch.where`. Its uniforms come from a counter-based hash of (seed, step, draw), computed with integer
-ops on the device, so a row's tokens depend on its own seed and step only, never on its batch
-neighbours. `OfficialRas` instead replays the official torch-RNG draws for one sequence (bit-exact
+`torch.where`. Its uniforms come from a counter-based hash of (seed, step, draw), where step is the
+row's own decoded count, computed with integer ops on the device (same bits on CPU and GPU), so a
+row's draws depend on its own seed and step only, never on its batch neighbours. (Its tokens are then
+batch-independent wherever the logits are: exactly so in fp32; bf16 GEMMs round differently for
+different batch shapes.) `OfficialRas` instead replays the official torch-RNG draws for one sequence (bit-exact
 parity with the reference tokens); it syncs every step and is for tests only.
 """
 
