@@ -6,6 +6,9 @@ Tokens are collected on the device; the host looks only every `sync_every` steps
 some row reaches its max_tokens. At each look it yields the rows that stopped and prefills waiting
 requests into the freed rows (continuous batching). Rows that stop between looks keep decoding
 into their own cache row: wasted work, but no host sync per step; their extra tokens are never read.
+
+The KV cache belongs to the model, so one backend runs one `generate` at a time (the engine's
+scheduler thread); a generator dropped half-way leaves nothing behind that the next call needs.
 """
 
 from __future__ import annotations
