@@ -3,10 +3,12 @@
 #
 # Versions, and why:
 # - vLLM 0.33.0 (PyPI) requires torch==2.14.0, and PyPI's torch 2.14.0 Linux wheels are CUDA 13 builds
-#   (they depend on cuda-toolkit==13.0.3, cuDNN/NCCL -cu13). Both ship SASS for sm_90 (Hopper), sm_100 and sm_120
-#   (Blackwell datacenter and RTX 50 / RTX PRO), and sm_80/sm_86/sm_89 (Ampere, Ada). sm_120 needs
-#   CUDA >= 12.8 and torch >= 2.7; vLLM's wheels carry its kernels since 0.9. Pinned below; bump
-#   torch only to the version the chosen vLLM release pins (`pip show vllm` -> Requires torch==...).
+#   (they depend on cuda-toolkit==13.0.3, cuDNN/NCCL -cu13). PyPI's CUDA 13 torch builds compile for
+#   sm_75, sm_80, sm_86, sm_90, sm_100 and sm_120 (checked: torch 2.11.0+cu130's
+#   torch.cuda.get_arch_list() on an H200 host, driver 580): Hopper (sm_90) and Blackwell (sm_100
+#   datacenter, sm_120 RTX 50 / RTX PRO) natively, Ada (sm_89) through the binary-compatible sm_86
+#   code. sm_120 needs CUDA >= 12.8 and torch >= 2.7. Pinned below; bump torch only to the version
+#   the chosen vLLM release pins (`pip show vllm` -> Requires torch==...).
 # - Base image: CUDA 13.0 runtime on Ubuntu 24.04, the same CUDA major and minor as the wheels. The
 #   wheels bring their own CUDA runtime, cuBLAS, cuDNN and NCCL (so the image's patch level does not
 #   matter); the base adds the NVIDIA container environment (NVIDIA_VISIBLE_DEVICES, driver
