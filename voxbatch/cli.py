@@ -49,14 +49,16 @@ def submit(path: Path, voice: str = typer.Option(..., help="voice profile name (
            name: Optional[str] = typer.Option(None, help="job name (default: file name)"),
            format: Optional[str] = typer.Option(None, "--format", help="wav|flac|ogg|opus"),
            queue: Optional[str] = typer.Option(None, help="render queue (default: settings)"),
-           watch: bool = typer.Option(False, help="show progress until the job finishes")):
+           watch: bool = typer.Option(False, help="show progress until the job finishes"),
+           max_tokens: Optional[int] = typer.Option(None, help="cap on speech tokens per segment")):
     """Read, segment and enqueue a corpus (.txt, .md, .epub or a folder); prints the job id."""
     from producer.submit import plan_job, submit_job
+    from voxbatch.models import SynthesisParams
     from voxbatch.storage import open_storage
 
     settings = _settings(output_format=format)
     try:
-        spec = plan_job(path, voice, settings, name=name)
+        spec = plan_job(path, voice, settings, name=name, params=SynthesisParams(max_tokens=max_tokens))
         job_id = submit_job(spec, settings, open_storage(settings), queue)
     except (ValueError, OSError) as e:
         _fail(str(e))
@@ -196,6 +198,19 @@ def voice_add(name: str, wav: Path = typer.Option(..., help="prompt audio (≤ 3
         _fail(str(e))
     save_voice(open_storage(settings), profile)
     console.print(f"stored voice {name!r}")
+
+
+@model_app.command("make-tiny")
+def model_make_tiny(out: Path, seed: int = typer.Option(0, help="seed of the random weights"),
+                    force: bool = typer.Option(False, help="write into a non-empty folder")):
+    """Write a tiny random CosyVoice2 model in the official layout (tests and demos; it makes noise)."""
+    from worker.cosyvoice2.tiny import make_tiny
+
+    try:
+        path = make_tiny(out, seed=seed, overwrite=force)
+    except (FileExistsError, OSError) as e:
+        _fail(str(e))
+    console.print(f"wrote a tiny random CosyVoice2 model to {path}")
 
 
 if __name__ == "__main__":
