@@ -271,3 +271,12 @@ def test_embedded_render_matches_tone_lengths(tmp_path):
         assert len(audio) / sr == pytest.approx(ch.duration_s, abs=1 / sr)
         assert ch.duration_s > sum(s.duration_s for s in segs)  # pauses between segments
         assert np.abs(audio).max() > 0.1
+
+
+def test_worker_launcher_pins_one_process_per_gpu(cluster):
+    launcher = cluster.start("worker", "--gpus", "0,1")
+    services.wait_until(lambda: launcher.tail(20000).count(" ready.") >= 2, 120, "both GPU workers")
+    log = launcher.tail(20000)
+    assert "voxbatch-gpu0@" in log and "voxbatch-gpu1@" in log
+    assert "worker for GPU 0: CUDA_VISIBLE_DEVICES=0" in log
+    assert "worker for GPU 1: CUDA_VISIBLE_DEVICES=1" in log

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import socket
 
 from voxbatch.celery_app import app, configure_celery, send_assemble
 from voxbatch.jobstate import RedisJobStore
 from voxbatch.settings import load_settings
 from voxbatch.storage import open_storage
+
+log = logging.getLogger("voxbatch.worker")
 
 
 def serve(gpu: str | None, concurrency: int | None, queues: str | None, hostname: str | None) -> None:
@@ -24,6 +27,7 @@ def serve(gpu: str | None, concurrency: int | None, queues: str | None, hostname
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = load_settings()
+    log.info("worker for GPU %s: CUDA_VISIBLE_DEVICES=%s", gpu, os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>"))
     configure_celery(settings)
     engine = build_engine(settings)
     engine.warmup()
