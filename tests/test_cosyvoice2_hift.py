@@ -6,9 +6,12 @@ Tolerances (max abs difference unless stated):
   - decode given a saved source: 1e-4, the fixture README's suggestion (measured ~1e-7: our iSTFT
     is an overlap-add of our own, the official one is torch.istft);
   - the seeded source (torch.manual_seed(1234), official draw order, or a torch.Generator seeded
-    1234): 1e-5 for the source and 1e-4 for the waveform (measured 0 and ~1e-7). The README warns
-    the source may move by 1e-4..1e-3 from rounding in F0; it does not here because F0 is
-    bit-identical, and the noise is drawn with the official memory layout;
+    1234): 1e-3 for the source and 3e-2 for the waveform made from it, the README's ranges: the
+    source integrates F0 into its phase over every sample, so last-bit differences in F0 (another
+    CPU's convolution kernels) move it by 1e-4..1e-3 and the waveform by ~1e-2. Measured here: 0
+    and ~1e-7 (F0 bit-identical: weight norm folded with torch's own kernel; noise drawn with the
+    official memory layout); on an H200 (fp32, TF32 off) the source moved 4.3e-4. A wrong draw
+    order moves the source by >1e-2 and the waveform by ~0.3;
   - batched vs one-at-a-time (lengths 100/73/40, padding filled with 3.0 so masks must hide it):
     1e-5. With oneDNN off, decode and inference are bit-identical (measured 0: F0 and the source
     are computed per row, convolutions loop over the batch); with the default oneDNN convolutions,
@@ -17,7 +20,6 @@ Tolerances (max abs difference unless stated):
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +31,8 @@ from worker.cosyvoice2.hift import HiFTGenerator, convert_state_dict, load_hift
 
 F0_REL_TOL = 1e-3
 WAV_TOL = 1e-4
-SOURCE_TOL = 1e-5
+SOURCE_TOL = 1e-3
+RNG_WAV_TOL = 3e-2
 BATCH_TOL = 1e-5
 BATCH_TOL_ONEDNN = 2e-5
 LENGTHS = (100, 73, 40)
@@ -45,15 +48,6 @@ def ref(tiny_model_dir: Path) -> dict[str, np.ndarray]:
 def hift(tiny_model_dir: Path) -> HiFTGenerator:
     torch.set_num_threads(1)
     return HiFTGenerator.from_model_dir(tiny_model_dir, "cpu", torch.float32)
-
-
-@pytest.fixture(scope="module")
-def same_rng_as_reference(tiny_model_dir: Path) -> None:
-    """Random streams are torch-version specific (the sampler for a non-contiguous `randn_like`
-    changed between releases): RNG parity is checked only on the reference's torch version."""
-    made_with = json.loads((tiny_model_dir / "reference_meta.json").read_text())["torch"]
-    if torch.__version__.split("+")[0] != made_with.split("+")[0]:
-        pytest.skip(f"reference RNG draws were made with torch {made_with}; this is torch {torch.__version__}")
 
 
 def _t(a: np.ndarray) -> torch.Tensor:
@@ -93,11 +87,12 @@ def test_e2e_audio_from_flow_mel(hift, ref):
 
 
 @torch.inference_mode()
-def test_inference_global_rng_official_order(hift, ref, same_rng_as_reference):
+def test_inference_global_rng_official_order(hift, ref):
     torch.manual_seed(1234)
     wav, source = hift.inference(_t(ref["hift_mel"]))
     assert _maxabs(source, ref["hift_source"]) <= SOURCE_TOL
-    assert _maxabs(wav, ref["hift_wav"]) <= WAV_TOL
+    assert _maxabs(wav, ref["hift_wav"]) <= RNG_WAV_TOL
+    assert _maxabs(wav, hift.decode(_t(ref["hift_mel"]), source)) <= 1e-6  # inference = decode(mel, its source)
     # The official draws: rand(1,9), randn_like of a (1,L,9) view of a (1,9,L) tensor, randn(1,L,1);
     # after ours the RNG is where the official code leaves it.
     after = torch.rand(4)
@@ -107,10 +102,10 @@ def test_inference_global_rng_official_order(hift, ref, same_rng_as_reference):
 
 
 @torch.inference_mode()
-def test_inference_seeded_generator(hift, ref, same_rng_as_reference):
+def test_inference_seeded_generator(hift, ref):
     wav, source = hift.inference(_t(ref["hift_mel"]), generators=[torch.Generator().manual_seed(1234)])
     assert _maxabs(source, ref["hift_source"]) <= SOURCE_TOL
-    assert _maxabs(wav, ref["hift_wav"]) <= WAV_TOL
+    assert _maxabs(wav, ref["hift_wav"]) <= RNG_WAV_TOL
     again, _ = hift.inference(_t(ref["hift_mel"]), generators=[torch.Generator().manual_seed(1234)])
     assert torch.equal(wav, again)
     other, _ = hift.inference(_t(ref["hift_mel"]), generators=[torch.Generator().manual_seed(99)])
@@ -118,11 +113,12 @@ def test_inference_seeded_generator(hift, ref, same_rng_as_reference):
 
 
 @torch.inference_mode()
-def test_inference_cache_source(hift, ref, same_rng_as_reference):
+def test_inference_cache_source(hift, ref):
     torch.manual_seed(1235)
     wav, source = hift.inference(_t(ref["hift_mel"]), cache_source=_t(ref["hift_cache_source_in"]))
     assert _maxabs(source, ref["hift_source_cached"]) <= SOURCE_TOL
-    assert _maxabs(wav, ref["hift_wav_cached"]) <= WAV_TOL
+    assert torch.equal(source[..., :3840], _t(ref["hift_cache_source_in"]))
+    assert _maxabs(wav, ref["hift_wav_cached"]) <= RNG_WAV_TOL
 
 
 def _batch(ref) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
