@@ -6,12 +6,14 @@ Tolerances (max abs difference unless stated):
   - decode given a saved source: 1e-4, the fixture README's suggestion (measured ~1e-7: our iSTFT
     is an overlap-add of our own, the official one is torch.istft);
   - the seeded source (torch.manual_seed(1234), official draw order, or a torch.Generator seeded
-    1234): 1e-3 for the source and 3e-2 for the waveform made from it, the README's ranges: the
+    1234): 1e-3 for the source, the README's range, and 6e-2 for the waveform made from it. The
     source integrates F0 into its phase over every sample, so last-bit differences in F0 (another
-    CPU's convolution kernels) move it by 1e-4..1e-3 and the waveform by ~1e-2. Measured here: 0
-    and ~1e-7 (F0 bit-identical: weight norm folded with torch's own kernel; noise drawn with the
-    official memory layout); on an H200 (fp32, TF32 off) the source moved 4.3e-4. A wrong draw
-    order moves the source by >1e-2 and the waveform by ~0.3;
+    CPU's convolution kernels) move it by 1e-4..1e-3, and the waveform by 1e-2..4e-2 (README: ~1e-2
+    between 1 and 2 threads). Measured here: 0 and ~1e-7 (F0 bit-identical: weight norm folded
+    with torch's own kernel; noise drawn with the official memory layout). Measured on the H200
+    machine's CPU (torch 2.11): F0 5.8e-4 Hz, source 3.9e-4, waveform 2.1e-2 and 4.0e-2 (cached);
+    on its GPU (fp32, TF32 off) source 4.3e-4. A wrong draw order moves the source by >1e-1 and
+    the waveform by ~0.36, so these bounds still catch it;
   - batched vs one-at-a-time (lengths 100/73/40, padding filled with 3.0 so masks must hide it):
     1e-5. With oneDNN off, decode and inference are bit-identical (measured 0: F0 and the source
     are computed per row, convolutions loop over the batch); with the default oneDNN convolutions,
@@ -32,7 +34,7 @@ from worker.cosyvoice2.hift import HiFTGenerator, convert_state_dict, load_hift
 F0_REL_TOL = 1e-3
 WAV_TOL = 1e-4
 SOURCE_TOL = 1e-3
-RNG_WAV_TOL = 3e-2
+RNG_WAV_TOL = 6e-2
 BATCH_TOL = 1e-5
 BATCH_TOL_ONEDNN = 2e-5
 LENGTHS = (100, 73, 40)
