@@ -1,0 +1,155 @@
+"""CosyVoice2 end to end through the CLI: `voxbatch model make-tiny`, `voxbatch voice add`, then a
+2-chapter corpus rendered by `voxbatch render` (embedded) and by real workers over Redis + S3.
+
+The tiny model never emits a stop token, so every segment has exactly min(--max-tokens, 20 x text
+tokens) speech tokens: 960 samples each at 24 kHz. Each segment's audio is checked against that.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+from tests.test_distributed import Cluster
+from voxbatch import keys
+from voxbatch.audio import decode
+from voxbatch.jobstate import RedisJobStore
+from voxbatch.models import Manifest
+from voxbatch.settings import Settings
+from voxbatch.storage import S3Storage
+
+REPO = Path(__file__).resolve().parents[1]
+MAX_TOKENS = 40
+SAMPLE_RATE = 24000
+SAMPLES_PER_TOKEN = 960
+PROMPT_TEXT = "This is a short prompt for the test voice."
+CORPUS = """\
+# The Harbour
+
+The boat came in at dawn. Gulls circled the mast.
+
+Nobody on the pier said a word.
+
+# The Market
+
+By nine the market was full, and the smell of bread filled the square.
+"""
+
+
+def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "voxbatch.cli", *args], env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+                          cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"voxbatch {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    model = tmp_path_factory.mktemp("model") / "cosyvoice2-tiny"
+    cli("model", "make-tiny", str(model))
+    return model
+
+
+@pytest.fixture(scope="module")
+def prompt_wav(tmp_path_factory) -> Path:
+    """3 s of a voiced-like test signal at 24 kHz (harmonics of a gliding pitch, syllable envelope)."""
+    t = np.arange(3 * SAMPLE_RATE) / SAMPLE_RATE
+    f0 = 120 + 40 * np.sin(2 * np.pi * 0.5 * t)
+    phase = 2 * np.pi * np.cumsum(f0) / SAMPLE_RATE
+    wav = sum(np.sin(k * phase) / k for k in range(1, 7)) * (0.6 + 0.4 * np.sin(2 * np.pi * 4 * t) ** 2)
+    wav = 0.3 * wav / np.abs(wav).max() + 0.003 * np.random.default_rng(0).standard_normal(len(t))
+    path = tmp_path_factory.mktemp("prompt") / "prompt.wav"
+    sf.write(path, wav.astype(np.float32), SAMPLE_RATE, subtype="PCM_16")
+    return path
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("corpus") / "book.md"
+    path.write_text(CORPUS, encoding="utf-8")
+    return path
+
+
+def expected_samples(tiny_model: Path, text: str) -> int:
+    from worker.cosyvoice2.tokenizer import CosyVoice2Tokenizer
+
+    n_text = len(CosyVoice2Tokenizer.from_model_dir(tiny_model).encode(text))
+    return SAMPLES_PER_TOKEN * min(MAX_TOKENS, 20 * n_text)
+
+
+def check_segments(manifest: Manifest, tiny_model: Path, read) -> None:
+    """Every segment stored, with exactly the expected number of samples (file and manifest)."""
+    assert manifest.state == "completed", manifest.failed
+    assert manifest.sample_rate == SAMPLE_RATE
+    assert len(manifest.segments) >= 3 and {s.chapter for s in manifest.segments} == {0, 1}
+    for seg in manifest.segments:
+        want = expected_samples(tiny_model, seg.text)
+        audio, rate = decode(read(seg.key), seg.key)
+        assert rate == SAMPLE_RATE
+        assert len(audio) == want, seg.text
+        assert np.isfinite(audio).all() and np.abs(audio).max() > 0
+        assert seg.duration_s == pytest.approx(want / SAMPLE_RATE, abs=1 / SAMPLE_RATE)
+
+
+def render_and_check(tiny_model: Path, prompt_wav: Path, corpus: Path, out: Path, *extra: str) -> Manifest:
+    env = {"VOXBATCH_STORAGE_URL": out.resolve().as_uri()}
+    cli("voice", "add", "v1", "--wav", str(prompt_wav), "--text", PROMPT_TEXT, "--model-dir", str(tiny_model), env=env)
+    cli("render", str(corpus), "--out", str(out), "--voice", "v1", "--engine", "cosyvoice2",
+        "--model-dir", str(tiny_model), "--max-tokens", str(MAX_TOKENS), *extra, timeout=600)
+    (job_dir,) = list((out / "jobs").iterdir())
+    manifest = Manifest.model_validate_json((job_dir / "manifest.json").read_text())
+    check_segments(manifest, tiny_model, lambda key: (out / key).read_bytes())
+    return manifest
+
+
+def test_make_tiny_voice_add_render(tiny_model, prompt_wav, corpus, tmp_path):
+    config = json.loads((tiny_model / "CosyVoice-BlankEN" / "config.json").read_text())
+    assert config["model_type"] == "qwen2" and config["hidden_size"] // config["num_attention_heads"] >= 32
+    render_and_check(tiny_model, prompt_wav, corpus, tmp_path / "out")
+
+
+@pytest.mark.vllm
+def test_render_with_the_vllm_backend(tiny_model, prompt_wav, corpus, tmp_path):
+    try:
+        import vllm  # noqa: F401
+    except ImportError as e:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"vLLM is not importable under CI ({e})")
+        pytest.skip(f"vLLM is not importable here ({e})")
+    render_and_check(tiny_model, prompt_wav, corpus, tmp_path / "out", "--llm-backend", "vllm")
+
+
+@pytest.mark.integration
+def test_distributed_render_with_cosyvoice2_workers(tiny_model, prompt_wav, corpus, s3_env, tmp_path):
+    tag = uuid.uuid4().hex[:8]
+    env = {
+        **os.environ, **s3_env,
+        "VOXBATCH_RENDER_QUEUE": f"render-{tag}", "VOXBATCH_ASSEMBLE_QUEUE": f"assemble-{tag}",
+        "VOXBATCH_BATCH_SIZE": "2", "VOXBATCH_ENGINE": "cosyvoice2", "VOXBATCH_MODEL_DIR": str(tiny_model),
+        "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+    }
+    settings = Settings(storage_url=s3_env["VOXBATCH_STORAGE_URL"], s3_endpoint=s3_env["VOXBATCH_S3_ENDPOINT"],
+                        aws_access_key_id=s3_env["AWS_ACCESS_KEY_ID"], aws_secret_access_key=s3_env["AWS_SECRET_ACCESS_KEY"])
+    c = Cluster(env, tmp_path, S3Storage(settings.storage_url, settings), RedisJobStore.from_url(s3_env["VOXBATCH_BROKER_URL"]), [])
+    try:
+        c.cli("voice", "add", "v1", "--wav", str(prompt_wav), "--text", PROMPT_TEXT)
+        assert c.storage.exists(keys.voice("v1"))
+        c.start("worker")  # ready only after the engine loaded the model and warmed up
+        c.start("assembler")
+        job_id = c.cli("submit", str(corpus), "--voice", "v1", "--max-tokens", str(MAX_TOKENS)).stdout.strip().splitlines()[-1]
+        assert c.wait_finished(job_id, timeout_s=300).state == "completed"
+        check_segments(c.manifest(job_id), tiny_model, c.storage.get)
+        assert c.spec(job_id).params.max_tokens == MAX_TOKENS
+    finally:
+        for p in c.procs:
+            p.stop()
+
