@@ -117,6 +117,20 @@ def test_make_tiny_voice_add_render(tiny_model, prompt_wav, corpus, tmp_path):
     render_and_check(tiny_model, prompt_wav, corpus, tmp_path / "out")
 
 
+def test_render_without_weights_offline_says_how_to_get_them(corpus, tmp_path):
+    """No --model-dir and no hub access: a one-line error naming the ways to provide weights."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    env.pop("VOXBATCH_MODEL_DIR", None)
+    proc = subprocess.run([sys.executable, "-m", "voxbatch.cli", "render", str(corpus), "--out", str(tmp_path / "out"),
+                           "--voice", "tone", "--engine", "cosyvoice2"], env=env, cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    message = " ".join(proc.stderr.split())  # rich wraps long lines
+    for hint in ("--model-dir", "VOXBATCH_MODEL_DIR", "voxbatch model make-tiny"):
+        assert hint in message
+
+
 @pytest.mark.vllm
 def test_render_with_the_vllm_backend(tiny_model, prompt_wav, corpus, tmp_path):
     try:

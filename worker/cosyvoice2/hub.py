@@ -22,8 +22,9 @@ HOW_TO_PROVIDE = (
 )
 
 
-class ModelUnavailableError(ModelDirError):
-    """No model directory was given and none could be downloaded."""
+class ModelUnavailableError(ModelDirError, OSError):
+    """No model directory was given and none could be downloaded (an OSError too, so the CLI commands
+    report it as a one-line error instead of a traceback)."""
 
 
 def check_model_dir(model_dir: str | Path, required: tuple[str, ...] = ENGINE_FILES) -> Path:
