@@ -29,7 +29,6 @@ format and uploaded whole; the book is appended to a raw PCM temporary file for 
 from __future__ import annotations
 
 import logging
-import os
 import tempfile
 from collections import defaultdict, deque
 from collections.abc import Iterator
@@ -368,14 +367,6 @@ def fetch_job(storage: Storage, job_id: str, out_dir: str | Path) -> int:
         target = (out / key[len(prefix):]).resolve()
         if out not in target.parents:
             raise StorageError(f"object {storage.describe(key)} would land outside {out}")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, part = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".part")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(storage.get(key))
-            os.replace(part, target)
-        except BaseException:
-            Path(part).unlink(missing_ok=True)
-            raise
+        storage.get_file(key, target)
         count += 1
     return count

@@ -9,6 +9,7 @@ objects and the managed transfer (which completes a multipart upload atomically)
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import threading
 from abc import ABC, abstractmethod
@@ -46,6 +47,22 @@ class Storage(ABC):
     def put_file(self, key: str, path: str | Path, content_type: str = "application/octet-stream") -> None:
         self.put(key, Path(path).read_bytes(), content_type)
 
+    def get_file(self, key: str, path: str | Path) -> None:
+        """Download an object to a file that appears whole or not at all (large objects: the book)."""
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, part = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".part")
+        os.close(fd)
+        try:
+            self._download(key, part)
+            os.replace(part, target)
+        except BaseException:
+            Path(part).unlink(missing_ok=True)
+            raise
+
+    def _download(self, key: str, path: str) -> None:
+        Path(path).write_bytes(self.get(key))
+
     def describe(self, key: str) -> str:
         """Where a key lives, for messages (never includes credentials)."""
         return f"{self.url.rstrip('/')}/{key}"
@@ -80,6 +97,12 @@ class LocalStorage(Storage):
     def get(self, key: str) -> bytes:
         try:
             return self._path(key).read_bytes()
+        except FileNotFoundError:
+            raise KeyError(key) from None
+
+    def _download(self, key: str, path: str) -> None:
+        try:
+            shutil.copyfile(self._path(key), path)
         except FileNotFoundError:
             raise KeyError(key) from None
 
@@ -150,6 +173,14 @@ class S3Storage(Storage):
 
     def put_file(self, key: str, path: str | Path, content_type: str = "application/octet-stream") -> None:
         self.client.upload_file(str(path), self.bucket, self._key(key), ExtraArgs={"ContentType": content_type})
+
+    def _download(self, key: str, path: str) -> None:
+        try:
+            self.client.download_file(self.bucket, self._key(key), path)
+        except self._client_error as e:
+            if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
+                raise KeyError(key) from None
+            raise
 
     def get(self, key: str) -> bytes:
         try:
