@@ -205,6 +205,11 @@ class CosyVoice2Engine(Engine):
             llm = VllmLlmBackend.from_settings(settings or Settings(model_dir=str(model_dir), engine_max_batch=max_batch))
         else:
             raise ValueError(f"unknown llm_backend {llm_backend!r} (torch or vllm)")
+        if any(torch.device(d).type == "cuda" for d in (p.flow_device, p.hift_device)):
+            # HiFT's transposed convolutions run cuDNN backward-data kernels, some of which accumulate
+            # with atomics: on an H200 the same mel and seed gave different audio run to run (the LLM and
+            # flow were bit-stable). Deterministic algorithms make a re-rendered segment identical.
+            torch.backends.cudnn.deterministic = True
         flow = CausalFlow.from_model_dir(model_dir, device=p.flow_device, dtype=p.flow_dtype)
         hift = HiFTGenerator.from_model_dir(model_dir, device=p.hift_device, dtype=p.hift_dtype)
         log.info("cosyvoice2 engine: %s; llm=%s on %s, flow on %s, hift on %s", model_dir, llm.name, p.llm_device, p.flow_device, p.hift_device)
