@@ -27,6 +27,7 @@ import json
 import math
 import os
 import platform
+import queue
 import sys
 import tempfile
 import threading
@@ -72,6 +73,12 @@ SAMPLE_RATE = 24000
 def sync(device: str | torch.device | None = None) -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize(device)
+
+
+def stream_sync(device: str) -> None:
+    """Wait for this thread's current stream only (the LLM may be decoding on another)."""
+    if device.startswith("cuda"):
+        torch.cuda.current_stream(device).synchronize()
 
 
 def reset_peak(devices: list[str]) -> None:
@@ -207,10 +214,10 @@ class Renderer:
     def __call__(self, token_lists: list[list[int]], seeds: list[int]) -> list[np.ndarray]:
         t0 = time.perf_counter()
         mel, mel_lens = self.mels(token_lists)
-        sync(self.device)
+        stream_sync(self.device)
         t1 = time.perf_counter()
         wav = self.wavs(mel, mel_lens, seeds)
-        sync(self.device)
+        stream_sync(self.device)
         t2 = time.perf_counter()
         out = self.to_host(wav, mel_lens)
         t3 = time.perf_counter()
@@ -224,32 +231,44 @@ class Renderer:
 
 
 class BenchEngine(Engine):
-    """CosyVoice2 stages over the benchmark's random-weight model: LLM (continuous batching) ->
-    length-bucketed flow/HiFT batches as soon as `flow_batch` sequences are finished."""
+    """CosyVoice2 stages over the benchmark's random-weight model: LLM (continuous batching, longest
+    texts first so the batch does not end on a long tail) -> length-bucketed flow/HiFT batches as soon
+    as `flow_batch` sequences are finished.
+
+    `overlap=True` runs flow/HiFT in a second thread on its own CUDA stream while the LLM keeps
+    decoding: the decode step is latency-bound and leaves most of the GPU idle, the flow fills it."""
 
     name = "cosyvoice2-bench"
     sample_rate = SAMPLE_RATE
 
     def __init__(self, llm: LlmBackend, renderer: Renderer, prompt: VoicePrompt, text_vocab: int,
-                 max_batch: int = 512, flow_batch: int = 64):
+                 max_batch: int = 512, flow_batch: int = 64, overlap: bool = True):
         self.llm, self.renderer, self.prompt, self.text_vocab = llm, renderer, prompt, text_vocab
-        self.max_batch, self.flow_batch = max_batch, flow_batch
+        self.max_batch, self.flow_batch, self.overlap = max_batch, flow_batch, overlap
         self.times: dict[str, float] = defaultdict(float)
 
     def warmup(self) -> None:
         pass  # warmed by the benchmark before timing
 
-    def _render(self, items: list[tuple[SynthesisRequest, list[int]]]) -> Iterator[SynthesisResult]:
+    def _render(self, items: list[tuple[SynthesisRequest, list[int]]]) -> list[SynthesisResult]:
         wavs = self.renderer([t for _, t in items], [r.seed for r, _ in items])
-        for (req, _), wav in zip(items, wavs):
-            yield SynthesisResult(req, wav)
+        return [SynthesisResult(req, wav) for (req, _), wav in zip(items, wavs)]
+
+    def _decoded(self, batch: list[SynthesisRequest]) -> Iterator[tuple[SynthesisRequest, list[int]]]:
+        """(request, speech tokens) as sequences finish; requests enter longest text first."""
+        reqs = [llm_request(r.text, r.seed, self.prompt, self.text_vocab) for r in batch]
+        order = sorted(range(len(reqs)), key=lambda i: -len(reqs[i].text_tokens))
+        for res in self.llm.generate([reqs[i] for i in order]):
+            yield batch[order[res.index]], res.tokens
 
     def synthesize(self, batch: list[SynthesisRequest]) -> Iterator[SynthesisResult]:
-        reqs = [llm_request(r.text, r.seed, self.prompt, self.text_vocab) for r in batch]
+        if self.overlap:
+            yield from self._synthesize_overlapped(batch)
+            return
         done: list[tuple[SynthesisRequest, list[int]]] = []
         t0 = time.perf_counter()
-        for res in self.llm.generate(reqs):
-            done.append((batch[res.index], res.tokens))
+        for item in self._decoded(batch):
+            done.append(item)
             if len(done) >= self.flow_batch:
                 self.times["llm"] += time.perf_counter() - t0
                 done.sort(key=lambda x: len(x[1]))
@@ -260,6 +279,56 @@ class BenchEngine(Engine):
         done.sort(key=lambda x: len(x[1]))
         for i in range(0, len(done), self.flow_batch):
             yield from self._render(done[i : i + self.flow_batch])
+
+    def _render_loop(self, inbox: queue.Queue, outbox: queue.Queue) -> None:
+        dev = self.renderer.device
+        stream = torch.cuda.Stream(dev) if dev.startswith("cuda") else None
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            while (chunk := inbox.get()) is not None:
+                try:
+                    outbox.put(self._render(chunk))
+                except Exception as e:  # noqa: BLE001 - handed to the engine thread, which raises it
+                    outbox.put(e)
+
+    def _synthesize_overlapped(self, batch: list[SynthesisRequest]) -> Iterator[SynthesisResult]:
+        inbox: queue.Queue = queue.Queue()
+        outbox: queue.Queue = queue.Queue()
+        worker = threading.Thread(target=self._render_loop, args=(inbox, outbox), name="flow-hift", daemon=True)
+        worker.start()
+        sent = received = 0
+
+        def take(block: bool) -> Iterator[SynthesisResult]:
+            nonlocal received
+            while received < sent:
+                try:
+                    item = outbox.get(block=block)
+                except queue.Empty:
+                    return
+                received += 1
+                if isinstance(item, Exception):
+                    raise item
+                yield from item
+
+        try:
+            done: list[tuple[SynthesisRequest, list[int]]] = []
+            t0 = time.perf_counter()
+            for item in self._decoded(batch):
+                done.append(item)
+                if len(done) >= self.flow_batch:
+                    done.sort(key=lambda x: len(x[1]))
+                    inbox.put(done[: self.flow_batch])
+                    done = done[self.flow_batch :]
+                    sent += 1
+                yield from take(block=False)
+            self.times["llm"] += time.perf_counter() - t0
+            done.sort(key=lambda x: len(x[1]))
+            for i in range(0, len(done), self.flow_batch):
+                inbox.put(done[i : i + self.flow_batch])
+                sent += 1
+            yield from take(block=True)
+        finally:
+            inbox.put(None)
+            worker.join()
 
 
 class StoreTimes:
@@ -528,11 +597,12 @@ class Bench:
         a = self.args
         out: dict = {"fixed_tokens": a.llm_tokens, "note": "B requests of fixed length decoded in B cache rows"}
         rows = []
-        variants = [("graphs+grouped-attn", True)] + ([("graphs", False)] if a.ab_stock_attention else [])
-        for label, grouped in variants:
+        main = ("graphs" if a.decode_attention == "stock" else "graphs+grouped-attn", a.decode_attention == "grouped")
+        other = ("graphs+grouped-attn", True) if a.decode_attention == "stock" else ("graphs", False)
+        for label, grouped in [main] + ([other] if a.ab_attention else []):
             set_grouped_decode(self.llm, grouped)
             for B in a.llm_batches:
-                if label == "graphs" and B not in (1, max(a.llm_batches)):
+                if label != main[0] and B not in (1, max(a.llm_batches)):
                     continue
                 reset_peak([self.llm_dev])
                 t = time.perf_counter()
@@ -548,12 +618,12 @@ class Bench:
                 del backend
             set_grouped_decode(self.llm, False)
         # Continuous batching over the whole mixed-length corpus, rows = the largest batch.
-        set_grouped_decode(self.llm, True)
+        set_grouped_decode(self.llm, main[1])
         B = max(a.llm_batches)
         backend = GraphedLlmBackend(self.llm, B, self.max_seq)
         reqs = [llm_request(s.text, 1000 + i, self.prompt, self.text_vocab) for i, s in enumerate(self.corpus)]
         r = self._measure(backend, reqs)
-        r.update(impl="graphs+grouped-attn, continuous, corpus", batch=B)
+        r.update(impl=f"{main[0]}, continuous, corpus in given order", batch=B)
         rows.append(r)
         print(f"  llm corpus continuous B={B} {r['tokens_per_s']:10.1f} tok/s", flush=True)
         backend.close()
@@ -648,17 +718,18 @@ class Bench:
         return BenchEngine(backend, Renderer(flow, hift, self.prompt, flow_dev), self.prompt, self.text_vocab,
                            max_batch=self.args.e2e_intake, flow_batch=self.args.e2e_flow_batch)
 
-    def _e2e(self, flow, hift, flow_dev: str, corpus: list[Segment], configs: list[tuple[str, int, int]]) -> dict:
+    def _e2e(self, flow, hift, flow_dev: str, corpus: list[Segment], configs: list[tuple[str, int, int, bool]]) -> dict:
         a = self.args
-        set_grouped_decode(self.llm, True)
+        set_grouped_decode(self.llm, a.decode_attention == "grouped")
         engine = self._engine(self.llm, flow, hift, flow_dev)
         runs = {}
         try:
             run_pipeline([engine], corpus[: min(8, len(corpus))], self.tmp / "warm", 64, 4, a.format)
-            for label, qsize, threads in configs:
+            for label, qsize, threads, overlap in configs:
+                engine.overlap = overlap
                 reset_peak(sorted({self.llm_dev, flow_dev}))
                 r = run_pipeline([engine], corpus, self.tmp / f"out-{label}", qsize, threads, a.format)
-                r.update(output_queue_size=qsize, upload_threads=threads, format=a.format,
+                r.update(output_queue_size=qsize, upload_threads=threads, format=a.format, overlap_llm_and_flow=overlap,
                          llm_device=self.llm_dev, flow_device=flow_dev, peak_gpu_gib=peak_gib(sorted({self.llm_dev, flow_dev})))
                 runs[label] = r
                 print(f"  e2e {label}: {r['x_realtime']:.1f}x realtime (RTF {r['rtf']}), wall {r['wall_s']}s, "
@@ -668,12 +739,14 @@ class Bench:
             set_grouped_decode(self.llm, False)
         hift_dtype = str(hift.conv_pre.weight.dtype)
         return {"runs": runs, "engine": {"llm_rows": a.e2e_rows, "intake_batch": a.e2e_intake, "flow_batch": a.e2e_flow_batch,
-                                         "llm": "torch-graphs+grouped-attn bf16", "flow": str(flow.dtype), "hift": hift_dtype}}
+                                         "llm": f"torch-graphs bf16, {a.decode_attention} decode attention", "flow": str(flow.dtype), "hift": hift_dtype,
+                                         "request_order": "longest text first"}}
 
     def e2e_stage(self) -> dict:
         a = self.args
         return self._e2e(self.flow, self.hift, self.flow_dev, self.corpus,
-                         [("double_buffer_on", 64, a.upload_threads), ("double_buffer_off", 1, 1)])
+                         [("double_buffer_on", 64, a.upload_threads, a.overlap), ("double_buffer_off", 1, 1, a.overlap)]
+                         + ([("double_buffer_on_sequential", 64, a.upload_threads, False)] if a.overlap else []))
 
     def e2e_split_stage(self) -> dict:
         """Issue 7's split placement: LLM on the first GPU, flow + HiFT on the second. With one GPU both sit
@@ -683,7 +756,7 @@ class Bench:
             flow, hift = self.flow, self.hift
         else:
             flow, hift = build_flow(self.model_dir, dev, torch.float16), build_hift(self.model_dir, dev, self.hift_low)
-        out = self._e2e(flow, hift, dev, self.corpus[: self.args.split_segments], [("split", 64, self.args.upload_threads)])
+        out = self._e2e(flow, hift, dev, self.corpus[: self.args.split_segments], [("split", 64, self.args.upload_threads, self.args.overlap)])
         out["note"] = ("two GPUs: a real split" if dev != self.llm_dev
                        else "one GPU: LLM and flow/HiFT both on it; checks the split code path only, no speed claim")
         return out
@@ -696,7 +769,7 @@ class Bench:
         for i in range(n):
             dev = f"cuda:{i}"
             llm = build_llm(self.model_dir, dev, torch.bfloat16)
-            set_grouped_decode(llm, True)
+            set_grouped_decode(llm, self.args.decode_attention == "grouped")
             engines.append(self._engine(llm, build_flow(self.model_dir, dev, torch.float16),
                                         build_hift(self.model_dir, dev, self.hift_low), dev))
         run_pipeline(engines, self.corpus[: 8 * n], self.tmp / "warm-pg", 64, 4, self.args.format)
@@ -867,7 +940,8 @@ def table(results: dict) -> str:
                   "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for k, r in e2e.items():
             s = r["stage_s"]
-            lines.append(f"| {k} (queue {r.get('output_queue_size')}, {r.get('upload_threads')} upload threads) | {r['segments']} | {r['audio_s']} | {r['wall_s']} | "
+            ov = "LLM || flow/HiFT" if r.get("overlap_llm_and_flow") else "sequential"
+            lines.append(f"| {k} (queue {r.get('output_queue_size')}, {r.get('upload_threads')} upload threads, {ov}) | {r['segments']} | {r['audio_s']} | {r['wall_s']} | "
                          f"{r['x_realtime']} | {r['rtf']} | {s.get('llm', 0)} | {s.get('flow', 0)} | {s.get('hift', 0)} | "
                          f"{r['encode_and_write_s_summed_over_threads']} | {r['engine_waited_on_full_queue_s']} | {r.get('peak_gpu_gib', '')} |")
         if base and "wall_s" in base:
@@ -897,12 +971,17 @@ def main() -> None:
     ap.add_argument("--max-s", type=float, default=15.0, help="longest segment, seconds of audio")
     ap.add_argument("--llm-batches", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256])
     ap.add_argument("--llm-tokens", type=int, default=250, help="fixed output length in the batch sweep (10 s of audio)")
-    ap.add_argument("--ab-stock-attention", action="store_true", help="also sweep the stock (GQA-expanding) decode attention")
+    ap.add_argument("--ab-attention", action="store_true", help="also sweep the other decode attention (batch 1 and the largest)")
     ap.add_argument("--compiled-batch", type=int, default=256)
     ap.add_argument("--flow-batches", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--flow-batches-per-size", type=int, default=2)
     ap.add_argument("--flow-min-segments", type=int, default=16)
-    ap.add_argument("--hift-dtype", choices=["fp32", "bf16", "fp16"], default="bf16")
+    ap.add_argument("--hift-dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
+                    help="HiFT generator dtype (F0 and source stay fp32); bf16 measured no faster on the H200")
+    ap.add_argument("--decode-attention", choices=["stock", "grouped"], default="stock",
+                    help="e2e decode attention: stock SDPA with GQA (cuDNN) or query heads grouped per KV head")
+    ap.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
+                    help="e2e: flow/HiFT in a second thread on its own CUDA stream while the LLM decodes")
     ap.add_argument("--e2e-rows", type=int, default=256, help="LLM cache rows in the engine")
     ap.add_argument("--e2e-intake", type=int, default=512, help="segments the engine takes from its intake at once")
     ap.add_argument("--e2e-flow-batch", type=int, default=64)
