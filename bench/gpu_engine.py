@@ -8,8 +8,8 @@ the official-style one-at-a-time baseline, in one run.
 Random weights at the official sizes (bench/gpu_models.py); every segment's length is forced from its
 text (25 speech tokens per second of audio). Stages:
   accuracy   bf16/fp16 vs fp32 on the same inputs (LLM log-probs, flow mels, HiFT waveforms)
-  llm        speech tokens/s vs batch size: our torch backend with the decode step as CUDA graphs,
-             vLLM if importable, and TorchLlmBackend (torch.compile) at the largest batch
+  llm        speech tokens/s vs batch size: our torch backend (the whole decode step as CUDA
+             graphs) and vLLM if importable
   flow_hift  audio s per s vs batch size, length-bucketed batches
   e2e        engine -> bounded queue -> upload threads (encode + write to a local folder), double
              buffer on and off (off: output queue 1, one upload thread)
@@ -57,7 +57,7 @@ from bench.gpu_models import (
     text_token_ids,
     write_model_dir,
 )
-from bench.graphed_llm import GraphedLlmBackend
+from worker.cosyvoice2.torch_backend import TorchLlmBackend
 from worker.cosyvoice2.llm import Attention, apply_rope
 from worker.cosyvoice2.llm_backend import LlmBackend, LlmRequest
 from worker.cosyvoice2.sampling import sample_tokens
@@ -558,16 +558,17 @@ class Bench:
 
     @torch.inference_mode()
     def _grouped_check(self) -> float:
-        b = GraphedLlmBackend(self.llm, 4, self.max_seq, graphs=False)
+        b = TorchLlmBackend(self.llm, 4, self.max_seq, cuda_graphs=False, bucket_batches=False)
         reqs = [llm_request(s.text, i, self.prompt, self.text_vocab, n_tokens=4) for i, s in enumerate(self.corpus[:4])]
-        b._fill([0, 1, 2, 3], reqs)
+        rows = b._state(4)
+        rows.fill([0, 1, 2, 3], reqs)
         tok = torch.tensor([5, 6, 7, 8], device=self.llm_dev)
-        pos = b.lengths.clone()
-        stock = self.llm._decode_impl(tok, pos, self.max_seq)
-        b._fill([0, 1, 2, 3], reqs)
+        pos = rows.lengths.clone()
+        stock = self.llm.decode_step(tok, pos, self.max_seq)
+        rows.fill([0, 1, 2, 3], reqs)
         set_grouped_decode(self.llm, True)
         try:
-            grouped = self.llm._decode_impl(tok, pos, self.max_seq)
+            grouped = self.llm.decode_step(tok, pos, self.max_seq)
         finally:
             set_grouped_decode(self.llm, False)
         b.close()
@@ -606,7 +607,7 @@ class Bench:
                     continue
                 reset_peak([self.llm_dev])
                 t = time.perf_counter()
-                backend = GraphedLlmBackend(self.llm, B, self.max_seq)
+                backend = TorchLlmBackend(self.llm, B, self.max_seq, bucket_batches=False)
                 capture_s = time.perf_counter() - t
                 backend_warm = self._fixed_requests(min(B, 4), 8)
                 list(backend.generate(backend_warm))
@@ -620,7 +621,7 @@ class Bench:
         # Continuous batching over the whole mixed-length corpus, rows = the largest batch.
         set_grouped_decode(self.llm, main[1])
         B = max(a.llm_batches)
-        backend = GraphedLlmBackend(self.llm, B, self.max_seq)
+        backend = TorchLlmBackend(self.llm, B, self.max_seq, bucket_batches=False)
         reqs = [llm_request(s.text, 1000 + i, self.prompt, self.text_vocab) for i, s in enumerate(self.corpus)]
         r = self._measure(backend, reqs)
         r.update(impl=f"{main[0]}, continuous, corpus in given order", batch=B)
@@ -630,20 +631,6 @@ class Bench:
         set_grouped_decode(self.llm, False)
         out["rows"] = rows
         return out
-
-    def compiled_stage(self) -> dict:
-        """TorchLlmBackend as the worker builds it on GPU (torch.compile reduce-overhead), one batch size."""
-        from worker.cosyvoice2.torch_backend import TorchLlmBackend
-
-        B = self.args.compiled_batch
-        t = time.perf_counter()
-        backend = TorchLlmBackend(self.llm, max_batch=B, max_seq=self.max_seq, compile_decode=self.llm_dev.startswith("cuda"))
-        list(backend.generate(self._fixed_requests(B, 8)))
-        warm = time.perf_counter() - t
-        r = self._measure(backend, self._fixed_requests(B, self.args.llm_tokens))
-        r.update(impl="TorchLlmBackend (torch.compile)", batch=B, compile_and_warmup_s=round(warm, 1))
-        self.llm.cache_k = self.llm.cache_v = None
-        return {"rows": [r]}
 
     def vllm_stage(self) -> dict:
         from worker.cosyvoice2.vllm_backend import VllmLlmBackend, VllmOptions
@@ -714,7 +701,7 @@ class Bench:
     # -- end to end ---------------------------------------------------------------------------------------------
 
     def _engine(self, llm, flow, hift, flow_dev) -> BenchEngine:
-        backend = GraphedLlmBackend(llm, self.args.e2e_rows, self.max_seq)
+        backend = TorchLlmBackend(llm, self.args.e2e_rows, self.max_seq, bucket_batches=False)
         return BenchEngine(backend, Renderer(flow, hift, self.prompt, flow_dev), self.prompt, self.text_vocab,
                            max_batch=self.args.e2e_intake, flow_batch=self.args.e2e_flow_batch)
 
@@ -851,17 +838,18 @@ class Bench:
         B = max(self.args.llm_batches)
         for label, grouped in (("decode_step_stock_attn", False), ("decode_step_grouped_attn", True)):
             set_grouped_decode(self.llm, grouped)
-            backend = GraphedLlmBackend(self.llm, B, self.max_seq, graphs=False)
+            backend = TorchLlmBackend(self.llm, B, self.max_seq, cuda_graphs=False, bucket_batches=False)
             reqs = self._fixed_requests(B, 40)
             with torch.inference_mode():
-                backend._fill(list(range(B)), reqs)
+                rows = backend._state(B)
+                rows.fill(list(range(B)), reqs)
                 w = min(512, self.max_seq)
                 for _ in range(3):
-                    backend._step(w)
+                    rows.step(w)
                 sync()
                 with profile(activities=acts) as prof:
                     for _ in range(5):
-                        backend._step(w)
+                        rows.step(w)
                     sync()
             out[label] = self._top(prof, f"{label} B={B} kv=512, 5 steps eager")
             backend.close()
@@ -916,7 +904,7 @@ def table(results: dict) -> str:
         lines += [f"corpus: {c['segments']} segments ({c['zh']} zh, {c['en']} en), {c['audio_s_total']} s of audio "
                   f"(min/mean/max {c['audio_s_min_mean_max']} s), {c['speech_tokens_total']} speech tokens; "
                   f"prompt {c['prompt']['speech_tokens']} speech tokens / {c['prompt']['mel_frames']} mel frames", ""]
-    llm_rows = st.get("llm", {}).get("rows", []) + st.get("vllm", {}).get("rows", []) + st.get("llm_compiled", {}).get("rows", [])
+    llm_rows = st.get("llm", {}).get("rows", []) + st.get("vllm", {}).get("rows", [])
     if llm_rows:
         lines += ["## LLM stage: speech tokens/s", "", "| backend | batch | requests | tokens | s | tokens/s | peak GiB |", "|---|---|---|---|---|---|---|"]
         for r in llm_rows:
@@ -966,13 +954,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--placement", choices=["single", "split", "per-gpu"], default="single")
-    ap.add_argument("--stages", nargs="+", default=["accuracy", "llm", "flow_hift", "e2e", "e2e_split", "baseline", "profile", "vllm", "llm_compiled"])
+    ap.add_argument("--stages", nargs="+", default=["accuracy", "llm", "flow_hift", "e2e", "e2e_split", "baseline", "profile", "vllm"])
     ap.add_argument("--segments", type=int, default=500)
     ap.add_argument("--max-s", type=float, default=15.0, help="longest segment, seconds of audio")
     ap.add_argument("--llm-batches", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256])
     ap.add_argument("--llm-tokens", type=int, default=250, help="fixed output length in the batch sweep (10 s of audio)")
     ap.add_argument("--ab-attention", action="store_true", help="also sweep the other decode attention (batch 1 and the largest)")
-    ap.add_argument("--compiled-batch", type=int, default=256)
     ap.add_argument("--flow-batches", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--flow-batches-per-size", type=int, default=2)
     ap.add_argument("--flow-min-segments", type=int, default=16)
@@ -1016,7 +1003,6 @@ def main() -> None:
     bench.stage("baseline", bench.baseline_stage)
     bench.stage("profile", bench.profile_stage)
     bench.stage("vllm", bench.vllm_stage)
-    bench.stage("llm_compiled", bench.compiled_stage)
     if args.placement != "per-gpu":
         r["stages"]["per_gpu"] = {"not_run": "placement per-gpu not selected" if torch.cuda.device_count() > 1
                                   else f"per-gpu placement needs 2+ GPUs; this machine has {torch.cuda.device_count()}"}

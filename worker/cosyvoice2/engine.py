@@ -22,7 +22,7 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -291,23 +291,17 @@ class CosyVoice2Engine(Engine):
     # -- synthesis ---------------------------------------------------------------------------------
 
     def warmup(self) -> None:
-        """One short request with no voice prompt (no stored voice needed) through every part; then,
-        when the LLM backend compiles one decode step per power-of-two batch size (torch on GPU),
-        one short decode at each of those sizes, so no task pays for a compile."""
+        """One short request with no voice prompt (no stored voice needed) through every part; then the
+        LLM backend's own warm-up (the torch backend captures its CUDA graphs for every row count), so
+        no task pays for it."""
         request = SynthesisRequest("warmup", WARMUP_TEXT, "", 0, SynthesisParams(max_tokens=50))
         voice = self.empty_voice()
         for result in self._run([_Item(request, voice, self.llm_request(request, voice))]):
             if result.error:
                 raise RuntimeError(f"cosyvoice2 warm-up failed: {result.error}")
-        if not getattr(self.llm, "bucket", False):
-            return
-        llm_request = self.llm_request(request, voice)
-        steps = getattr(self.llm, "sync_every", 16) + 2  # past the first host look: the steady-state step
-        sizes = [2**k for k in range(1, self.max_batch.bit_length()) if 2**k < self.max_batch] + [self.max_batch]
-        for size in sizes if self.max_batch > 1 else []:  # the backend caps its buckets at max_batch
-            batch = [replace(llm_request, seed=i, min_tokens=0, max_tokens=steps) for i in range(size)]
-            for _ in self.llm.generate(batch):
-                pass
+        backend_warmup = getattr(self.llm, "warmup", None)
+        if backend_warmup is not None:
+            backend_warmup()
 
     def synthesize(self, batch: list[SynthesisRequest]) -> Iterator[SynthesisResult]:
         items: list[_Item] = []

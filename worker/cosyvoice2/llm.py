@@ -10,7 +10,7 @@ where sos/task_id are rows 0/1 of `llm_embedding`, and reads speech-token log-pr
 
 Decoding keeps the path static (gpt-fast style): one KV cache `(layers, B_max, kv_heads, T_max, head_dim)`
 allocated once and written in place; `prefill` runs right-padded prompts of different lengths;
-`decode_step` runs one token per row at per-row positions and is the only part compiled on GPU.
+`decode_step` runs one token per row at per-row positions; the torch backend captures it (with the sampler) as CUDA graphs on GPU.
 
 Module names mirror the official state dict (`llm.model.model.layers.N.self_attn.q_proj`, ...), so
 `llm.pt` loads with `load_state_dict(strict=True, assign=True)` and no renaming table.
@@ -244,10 +244,9 @@ class CosyVoice2LM(nn.Module):
         self.llm = _Qwen2Encoder(d)
         self.llm_decoder = nn.Linear(d.hidden, d.n_speech)
         self.speech_embedding = nn.Embedding(d.n_speech, d.hidden)
-        # KV cache (layers, B_max, KVH, T_max, hd): buffers, so a compiled decode step may mutate them in place
+        # KV cache (layers, B_max, KVH, T_max, hd): buffers written in place, so a captured decode step may mutate them
         self.register_buffer("cache_k", None, persistent=False)
         self.register_buffer("cache_v", None, persistent=False)
-        self._decode = self._decode_impl
 
     @property
     def body(self) -> Qwen2Body:
@@ -300,15 +299,12 @@ class CosyVoice2LM(nn.Module):
 
     # -- decoding with the static KV cache ----------------------------------------------------------
 
-    def setup_cache(self, batch_max: int, seq_max: int, compile_decode: bool = False) -> None:
-        """Allocate the KV cache once; optionally compile the decode step (CUDA graphs via reduce-overhead)."""
+    def setup_cache(self, batch_max: int, seq_max: int) -> None:
+        """Allocate the KV cache once; decoding writes into it in place (CUDA-graph safe)."""
         d, p = self.dims, self.llm_decoder.weight
         shape = (d.n_layers, batch_max, d.n_kv_heads, seq_max, d.head_dim)
         self.cache_k = torch.zeros(shape, device=p.device, dtype=p.dtype)
         self.cache_v = torch.zeros(shape, device=p.device, dtype=p.dtype)
-        self._decode = self._decode_impl
-        if compile_decode:
-            self._decode = torch.compile(self._decode_impl, mode="reduce-overhead", fullgraph=True, dynamic=False)
 
     @property
     def cache_shape(self) -> tuple[int, int]:
@@ -339,15 +335,10 @@ class CosyVoice2LM(nn.Module):
     def decode_step(self, tokens: Tensor, positions: Tensor, kv_len: int | None = None) -> Tensor:
         """One speech token per row (B,) at per-row positions (B,) -> next-token log-probs (B, S+3).
 
-        `kv_len` bounds attention to cache positions [0, kv_len) (must exceed every position); the
-        compiled step always uses the whole cache so its shapes never change.
+        Row b of the batch is cache row b. `kv_len` bounds attention to cache positions [0, kv_len)
+        (it must exceed every position); a fixed kv_len keeps shapes static for CUDA-graph capture.
         """
-        if kv_len is None or self._decode is not self._decode_impl:
-            kv_len = self.cache_shape[1]
-        out = self._decode(tokens, positions, kv_len)
-        return out.clone() if self._decode is not self._decode_impl else out
-
-    def _decode_impl(self, tokens: Tensor, positions: Tensor, kv_len: int) -> Tensor:
+        kv_len = self.cache_shape[1] if kv_len is None else kv_len
         x = self.speech_embedding(tokens)[:, None]  # (B, 1, D)
         keys = torch.arange(kv_len, device=tokens.device)
         mask = (keys[None, :] <= positions[:, None])[:, None, None]  # (B, 1, 1, kv_len)

@@ -166,9 +166,8 @@ def sample_tokens(
 class BatchSampler:
     """Per-row RAS settings and seed keys for the rows of a decoding batch, sampled with no host sync.
 
-    Rows are (re)assigned as requests enter the batch. `fn` may be a compiled `sample_tokens` (see
-    `compile_sample_tokens`): the whole step (mask, sort, both draws, repetition check) then runs as
-    one CUDA graph, as gpt-fast does with its sampling; its result is cloned before it is kept.
+    Rows are (re)assigned as requests enter the batch. Everything lives in static tensors, so the
+    torch backend captures the sampler inside its CUDA graph of the whole decode step.
     """
 
     def __init__(self, rows: int, window: int, device: torch.device | str, eos_id: int, fn=sample_tokens):
@@ -179,7 +178,6 @@ class BatchSampler:
         self.tau_r = torch.ones(rows, device=device)
         self.greedy = torch.ones(rows, dtype=torch.bool, device=device)  # idle rows: cheapest choice
         self.window, self.eos_id = window, eos_id  # window: W of the `recent` buffer
-        self.compiled = fn is not sample_tokens
         self._fn = fn
 
     def assign(self, rows: Tensor, seeds: list[int], configs: list[RasConfig], greedy: list[bool]) -> None:
@@ -197,12 +195,7 @@ class BatchSampler:
     def __call__(self, logp: Tensor, n_decoded: Tensor, min_tokens: Tensor, recent: Tensor) -> Tensor:
         """logp (B, V), n_decoded (B,), min_tokens (B,), recent (B, W) -> tokens (B,)."""
         tok = self._fn(logp, n_decoded, min_tokens, recent, self.keys, self.top_p, self.top_k, self.win_size, self.tau_r, self.greedy, self.eos_id)
-        return tok.clone() if self.compiled else tok
-
-
-def compile_sample_tokens():
-    """`sample_tokens` compiled with CUDA graphs (one graph per batch shape; keep the result)."""
-    return torch.compile(sample_tokens, mode="reduce-overhead", fullgraph=True, dynamic=False)
+        return tok
 
 
 # -- replay of the official torch-RNG draws (one sequence, tests) ----------------------------------
