@@ -10,6 +10,7 @@ format and names, so the same loading code runs as for `CosyVoice2-0.5B`:
   speech_tokenizer_v2.onnx   stand-in with the official signature: feats (1, 128, T), feats_length (1,)
                              -> int64 (1, T // 4) = floor(|mean of 4 frames @ w| * 997) mod S
   campplus.onnx              stand-in: (B, T, 80) -> (B, 192) = 3 tanh(rms_t(x) @ W + b)
+  prompt.wav                 a 3-s voice-like test signal for `voxbatch voice add` (not speech)
 
 The weights are random but deterministic from `seed`; the output is noise, not speech. The LLM's
 stop-token biases are set very low, so a sequence always runs to its max_tokens (random weights
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import soundfile as sf
 import torch
 
 from worker.cosyvoice2.checkpoint import read_config
@@ -32,6 +34,7 @@ from worker.cosyvoice2.tokenizer import QWEN2_SPLIT, TOKENIZER_DIR
 
 BASE_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # Qwen2's own, right after the BPE vocabulary
 STOP_BIAS = -30.0  # llm_decoder bias of eos and the two other stop ids: never sampled
+DEMO_PROMPT = "prompt.wav"  # a voice-like test signal for `voice add` in demos
 SPEECH_TOKENIZER_FRAMES = 4  # whisper mel frames (100 Hz) per speech token (25 Hz)
 
 
@@ -466,4 +469,18 @@ def make_tiny(out_dir: str | Path, seed: int = 0, dims: TinyDims | None = None, 
     rng = np.random.RandomState(seed)
     _speech_tokenizer_onnx(out / "speech_tokenizer_v2.onnx", d.speech_tokens, rng)
     _campplus_onnx(out / "campplus.onnx", rng)
+    _demo_prompt(out / DEMO_PROMPT, rng)
     return out
+
+
+def _demo_prompt(path: Path, rng: np.random.RandomState) -> None:
+    """A 3-s, 24 kHz voice-like test signal (a gliding tone with harmonics and a syllable rhythm), so
+    `voxbatch voice add NAME --wav DIR/prompt.wav` works offline. Not a recording of speech."""
+    sr, seconds = 24000, 3.0
+    t = np.arange(int(sr * seconds)) / sr
+    f0 = 120 * np.exp(np.log(2.2) * t / seconds)  # 120 -> 264 Hz
+    phase = 2 * np.pi * np.cumsum(f0) / sr
+    voiced = sum(np.sin(k * phase) / k for k in range(1, 7))
+    envelope = 0.5 + 0.5 * np.sin(2 * np.pi * 4 * t) ** 2
+    audio = 0.2 * voiced * envelope / 2.5 + 0.003 * rng.standard_normal(t.size)
+    sf.write(path, audio.astype(np.float32), sr, subtype="PCM_16")
