@@ -16,13 +16,27 @@ def fixtures_root() -> Path:
     return Path(os.environ.get("VOXBATCH_FIXTURES", REPO.parent / "shared" / "fixtures"))
 
 
+def tiny_fixture_path() -> Path:
+    """Where the tiny official-format checkpoint is expected (it may be absent: tests then skip)."""
+    return fixtures_root() / "cosyvoice2-tiny"
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
     """The official-format tiny CosyVoice2 checkpoint with reference outputs (../shared/fixtures)."""
-    path = fixtures_root() / "cosyvoice2-tiny"
-    if not (path / "cosyvoice2.yaml").is_file():
+    path = tiny_fixture_path()
+    if not (path / "reference.npz").is_file():
         pytest.skip(f"fixture folder {path} is absent (set VOXBATCH_FIXTURES to the shared fixtures)")
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_reference(tiny_model_dir) -> dict:
+    """Every array of the fixture's reference.npz (made by the official implementation)."""
+    import numpy as np
+
+    with np.load(tiny_model_dir / "reference.npz") as z:
+        return {k: z[k] for k in z.files}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -12,7 +12,6 @@ code on CPU, fp32, 1 thread). Tolerances (max abs difference):
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
@@ -27,24 +26,14 @@ TIGHT_TOL = 1e-5
 BATCH_TOL = 1e-5
 
 
-def _fixture_dir() -> Path:
-    root = os.environ.get("VOXBATCH_FIXTURES")
-    base = Path(root) if root else Path(__file__).resolve().parents[1] / ".." / "shared" / "fixtures"
-    path = base / "cosyvoice2-tiny"
-    if not (path / "reference.npz").is_file():
-        pytest.skip(f"cosyvoice2-tiny fixture not found at {path} (set VOXBATCH_FIXTURES)")
-    return path
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir: Path) -> Path:
+    return tiny_model_dir
 
 
 @pytest.fixture(scope="module")
-def model_dir() -> Path:
-    return _fixture_dir()
-
-
-@pytest.fixture(scope="module")
-def ref(model_dir: Path) -> dict[str, np.ndarray]:
-    with np.load(model_dir / "reference.npz") as z:
-        return {k: z[k] for k in z.files}
+def ref(tiny_reference) -> dict[str, np.ndarray]:
+    return tiny_reference
 
 
 @pytest.fixture(scope="module")

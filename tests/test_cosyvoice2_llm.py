@@ -13,7 +13,6 @@ References come from `cosyvoice2-tiny/reference.npz` (official code, fp32 CPU, 1
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.conftest import tiny_fixture_path
 from worker.cosyvoice2.checkpoint import ModelDirError
 from worker.cosyvoice2.llm import CosyVoice2LM, LlmDims
 from worker.cosyvoice2.llm_backend import LlmRequest
@@ -31,12 +31,7 @@ from worker.cosyvoice2.torch_backend import TorchLlmBackend
 LOGP_ATOL = 1e-4
 
 
-def _fixture_dir() -> Path:
-    root = os.environ.get("VOXBATCH_FIXTURES") or str(Path(__file__).resolve().parents[1].parent / "shared" / "fixtures")
-    return Path(root) / "cosyvoice2-tiny"
-
-
-FIXTURE = _fixture_dir()
+FIXTURE = tiny_fixture_path()
 pytestmark = pytest.mark.skipif(not (FIXTURE / "reference.npz").is_file(), reason=f"fixture not found at {FIXTURE} (set VOXBATCH_FIXTURES)")
 
 
@@ -50,9 +45,8 @@ def _one_thread():
 
 
 @pytest.fixture(scope="module")
-def ref() -> dict[str, np.ndarray]:
-    with np.load(FIXTURE / "reference.npz") as z:
-        return {k: z[k] for k in z.files}
+def ref(tiny_reference) -> dict[str, np.ndarray]:
+    return tiny_reference
 
 
 @pytest.fixture(scope="module")

@@ -22,18 +22,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.conftest import tiny_fixture_path
 from worker.cosyvoice2.llm_backend import LlmRequest
 from worker.cosyvoice2.vllm_export import ARCHITECTURE, FOLDER_NAME, STAMP_FILE, export_for_vllm
 
 pytestmark = pytest.mark.vllm
 
 
-def _fixture_dir() -> Path:
-    root = os.environ.get("VOXBATCH_FIXTURES") or str(Path(__file__).resolve().parents[1].parent / "shared" / "fixtures")
-    return Path(root) / "cosyvoice2-tiny"
-
-
-FIXTURE = _fixture_dir()
+FIXTURE = tiny_fixture_path()
 needs_fixture = pytest.mark.skipif(not (FIXTURE / "reference.npz").is_file(), reason=f"fixture not found at {FIXTURE} (set VOXBATCH_FIXTURES)")
 
 
@@ -47,9 +43,8 @@ def _vllm_or_skip() -> None:
 
 
 @pytest.fixture(scope="module")
-def ref() -> dict[str, np.ndarray]:
-    with np.load(FIXTURE / "reference.npz") as z:
-        return {k: z[k] for k in z.files}
+def ref(tiny_reference) -> dict[str, np.ndarray]:
+    return tiny_reference
 
 
 @pytest.fixture(scope="module")
