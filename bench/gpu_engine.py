@@ -28,6 +28,8 @@ import math
 import os
 import platform
 import queue
+import shutil
+import subprocess
 import sys
 import tempfile
 import threading
@@ -356,6 +358,38 @@ class StoreTimes:
         return lambda *args, **kwargs: None
 
 
+class GpuUtilisation:
+    """Mean and peak GPU utilisation per device while a run lasts, from `nvidia-smi -lms` (issue 7 asks
+    for each device's utilisation per placement); `None` where nvidia-smi is absent (CPU runs)."""
+
+    def __init__(self, interval_ms: int = 200):
+        self.interval_ms = interval_ms
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> "GpuUtilisation":
+        if shutil.which("nvidia-smi"):
+            self.proc = subprocess.Popen(
+                ["nvidia-smi", "--query-gpu=index,utilization.gpu", "--format=csv,noheader,nounits",
+                 f"-lms={self.interval_ms}"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+
+    def summary(self) -> dict[str, dict[str, float]] | None:
+        if self.proc is None:
+            return None
+        out, _ = self.proc.communicate(timeout=10)
+        samples: dict[str, list[float]] = defaultdict(list)
+        for line in out.splitlines():
+            parts = [p.strip() for p in line.split(",")]
+            if len(parts) == 2 and parts[1].replace(".", "", 1).isdigit():
+                samples[f"gpu{parts[0]}"].append(float(parts[1]))
+        return {gpu: {"mean_pct": round(sum(v) / len(v), 1), "max_pct": max(v), "samples": len(v)}
+                for gpu, v in samples.items()}
+
+
 def run_pipeline(engines: list[BenchEngine], corpus: list[Segment], out_dir: Path, queue_size: int,
                  upload_threads: int, fmt: str, timeout_s: float = 300.0) -> dict:
     """The worker's real path (worker/pipeline.py) with a local folder for storage; one pipeline per engine
@@ -386,16 +420,17 @@ def run_pipeline(engines: list[BenchEngine], corpus: list[Segment], out_dir: Pat
     for e in engines:
         e.times.clear()
         e.renderer.times.clear()
-    t0 = time.perf_counter()
-    for p in pipes:
-        p.start()
-    deadline = t0 + timeout_s
-    for h in handles:
-        if not h.wait(max(0.0, deadline - time.perf_counter())):
-            for p in pipes:
-                p.stop()
-            raise TimeoutError(f"pipeline: segments still unfinished after {timeout_s} s")
-    wall = time.perf_counter() - t0
+    with GpuUtilisation() as util:
+        t0 = time.perf_counter()
+        for p in pipes:
+            p.start()
+        deadline = t0 + timeout_s
+        for h in handles:
+            if not h.wait(max(0.0, deadline - time.perf_counter())):
+                for p in pipes:
+                    p.stop()
+                raise TimeoutError(f"pipeline: segments still unfinished after {timeout_s} s")
+        wall = time.perf_counter() - t0
     for p in pipes:
         p.stop()
     audio_s = metrics.audio_s
@@ -419,6 +454,7 @@ def run_pipeline(engines: list[BenchEngine], corpus: list[Segment], out_dir: Pat
         "stage_s": {k: round(v, 3) for k, v in stage.items()},
         "encode_and_write_s_summed_over_threads": round(metrics.store_s, 3),
         "job_state": getattr(status, "state", None),
+        "gpu_utilisation": util.summary(),
     }
 
 
@@ -893,6 +929,10 @@ class Bench:
 # -- report -------------------------------------------------------------------------------------------------------
 
 
+def _util(summary: dict | None) -> str:
+    return ", ".join(f"{gpu} {u['mean_pct']}" for gpu, u in sorted(summary.items())) if summary else "-"
+
+
 def table(results: dict) -> str:
     st = results["stages"]
     env = results["environment"]
@@ -924,17 +964,18 @@ def table(results: dict) -> str:
     base = st.get("baseline")
     if e2e or base:
         lines += ["## End to end (engine -> bounded queue -> encode + write)", "",
-                  "| run | segments | audio s | wall s | x real time | RTF | LLM s | flow s | HiFT s | encode+write s (all threads) | engine blocked s | peak GiB |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| run | segments | audio s | wall s | x real time | RTF | LLM s | flow s | HiFT s | encode+write s (all threads) | engine blocked s | peak GiB | GPU util % (mean per device) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for k, r in e2e.items():
             s = r["stage_s"]
             ov = "LLM || flow/HiFT" if r.get("overlap_llm_and_flow") else "sequential"
             lines.append(f"| {k} (queue {r.get('output_queue_size')}, {r.get('upload_threads')} upload threads, {ov}) | {r['segments']} | {r['audio_s']} | {r['wall_s']} | "
                          f"{r['x_realtime']} | {r['rtf']} | {s.get('llm', 0)} | {s.get('flow', 0)} | {s.get('hift', 0)} | "
-                         f"{r['encode_and_write_s_summed_over_threads']} | {r['engine_waited_on_full_queue_s']} | {r.get('peak_gpu_gib', '')} |")
+                         f"{r['encode_and_write_s_summed_over_threads']} | {r['engine_waited_on_full_queue_s']} | {r.get('peak_gpu_gib', '')} | "
+                         f"{_util(r.get('gpu_utilisation'))} |")
         if base and "wall_s" in base:
             lines.append(f"| baseline: one at a time, LLM fp32 step loop, flow fp16 autocast, HiFT fp32 | {base['segments']} | {base['audio_s']} | "
-                         f"{base['wall_s']} | {base['x_realtime']} | {base['rtf']} | {base['llm_s']} | {base['flow_s']} | {base['hift_s']} | - | - | {base.get('peak_gpu_gib')} |")
+                         f"{base['wall_s']} | {base['x_realtime']} | {base['rtf']} | {base['llm_s']} | {base['flow_s']} | {base['hift_s']} | - | - | {base.get('peak_gpu_gib')} | - |")
         on = e2e.get("double_buffer_on")
         if on and base and "x_realtime" in base:
             lines.append(f"\nbatched (double buffer on) vs baseline: {on['x_realtime'] / base['x_realtime']:.1f}x faster")
