@@ -466,6 +466,7 @@ class Bench:
         self.args = args
         self.t_start = time.perf_counter()
         self.results: dict = {"stages": {}, "errors": {}}
+        self.compiled_flow_fn = None  # set by flow_hift with --flow-compile
         self.tmp = Path(tempfile.mkdtemp(prefix="vb-gpu-bench-"))
         self.model_dir = write_model_dir(self.tmp / "model", tiny=args.tiny, fixture_yaml=args.fixture_yaml)
         dev = args.device
@@ -732,7 +733,46 @@ class Bench:
                 })
                 print(f"  flow/hift B={B:3d} hift {hname}: flow {audio / rt['flow']:8.1f}x  hift {audio / rt['hift']:8.1f}x  "
                       f"both {audio / wall:8.1f}x realtime", flush=True)
-        return {"rows": rows, "flow_dtype": str(self.flow.dtype), "note": "audio s per wall s; prompt (8 s) included in every flow row as the model needs"}
+        out = {"rows": rows, "flow_dtype": str(self.flow.dtype), "note": "audio s per wall s; prompt (8 s) included in every flow row as the model needs"}
+        if a.flow_compile:
+            out["compiled"] = self._flow_compiled_rows(by_len)
+        return out
+
+    def _flow_compiled_rows(self, by_len: list[Segment]) -> dict:
+        """The flow estimator through torch.compile (dynamic shapes) against eager, same batches."""
+        a, B = self.args, max(self.args.flow_batches)
+        renderer = Renderer(self.flow, self.hift, self.prompt, self.flow_dev)
+        n = min(len(by_len), max(a.flow_min_segments, a.flow_batches_per_size * B))
+        pick = by_len[:: max(1, len(by_len) // n)][:n]
+        batches = [[[(j * 131 + k * 7) % self.speech_vocab for k in range(s.speech_tokens)] for j, s in enumerate(pick[i : i + B])]
+                   for i in range(0, len(pick), B)]
+        probe = batches[0][:4]
+        eager_mel, _ = renderer.mels(probe)
+        t0 = time.perf_counter()
+        self.flow.decoder.compile_estimator()
+        renderer.mels([[1] * 50]); renderer.mels(probe); sync()  # compile: B=1 and B>1 (dynamo specialises 1)
+        compile_s = time.perf_counter() - t0
+        compiled = self.flow.decoder.compiled_estimator
+        compiled_mel, _ = renderer.mels(probe)
+        res = {"compile_s": round(compile_s, 1), "mel_max_abs_vs_eager": float((compiled_mel - eager_mel).abs().max()),
+               "mel_rel_l2_vs_eager": float((compiled_mel - eager_mel).norm() / eager_mel.norm())}
+        for label, fn in (("compiled", compiled), ("eager", None)):
+            self.flow.decoder.compiled_estimator = fn
+            renderer.mels(probe); sync()
+            sync(); t = time.perf_counter()
+            frames = 0
+            for b in batches:
+                mel, lens = renderer.mels(b)
+                frames += int(lens.sum())
+            sync()
+            wall = time.perf_counter() - t
+            audio = frames * 480 / SAMPLE_RATE
+            res[label] = {"batch": B, "segments": len(pick), "audio_s": round(audio, 1), "flow_s": round(wall, 3), "flow_x_realtime": round(audio / wall, 1)}
+            print(f"  flow B={B} {label}: {audio / wall:8.1f}x realtime", flush=True)
+        res["dynamo_unique_graphs"] = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+        res["speedup"] = round(res["eager"]["flow_s"] / res["compiled"]["flow_s"], 3)
+        self.compiled_flow_fn = compiled  # e2e's compiled-flow run reuses it (no second compile)
+        return res
 
     # -- end to end ---------------------------------------------------------------------------------------------
 
@@ -741,19 +781,23 @@ class Bench:
         return BenchEngine(backend, Renderer(flow, hift, self.prompt, flow_dev), self.prompt, self.text_vocab,
                            max_batch=self.args.e2e_intake, flow_batch=self.args.e2e_flow_batch)
 
-    def _e2e(self, flow, hift, flow_dev: str, corpus: list[Segment], configs: list[tuple[str, int, int, bool]]) -> dict:
+    def _e2e(self, flow, hift, flow_dev: str, corpus: list[Segment], configs: list[tuple]) -> dict:
+        """configs: (label, output queue size, upload threads, overlap[, compiled flow])."""
         a = self.args
         set_grouped_decode(self.llm, a.decode_attention == "grouped")
         engine = self._engine(self.llm, flow, hift, flow_dev)
         runs = {}
         try:
             run_pipeline([engine], corpus[: min(8, len(corpus))], self.tmp / "warm", 64, 4, a.format)
-            for label, qsize, threads, overlap in configs:
+            for label, qsize, threads, overlap, *compiled in configs:
                 engine.overlap = overlap
+                flow.decoder.compiled_estimator = self.compiled_flow_fn if compiled and compiled[0] else None
                 reset_peak(sorted({self.llm_dev, flow_dev}))
                 r = run_pipeline([engine], corpus, self.tmp / f"out-{label}", qsize, threads, a.format)
                 r.update(output_queue_size=qsize, upload_threads=threads, format=a.format, overlap_llm_and_flow=overlap,
                          llm_device=self.llm_dev, flow_device=flow_dev, peak_gpu_gib=peak_gib(sorted({self.llm_dev, flow_dev})))
+                if compiled and compiled[0]:
+                    r["dynamo_unique_graphs"] = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
                 runs[label] = r
                 print(f"  e2e {label}: {r['x_realtime']:.1f}x realtime (RTF {r['rtf']}), wall {r['wall_s']}s, "
                       f"stages {r['stage_s']}, engine blocked {r['engine_waited_on_full_queue_s']}s", flush=True)
@@ -769,7 +813,9 @@ class Bench:
         a = self.args
         return self._e2e(self.flow, self.hift, self.flow_dev, self.corpus,
                          [("double_buffer_on", 64, a.upload_threads, a.overlap), ("double_buffer_off", 1, 1, a.overlap)]
-                         + ([("double_buffer_on_sequential", 64, a.upload_threads, False)] if a.overlap else []))
+                         + ([("double_buffer_on_sequential", 64, a.upload_threads, False)] if a.overlap else [])
+                         + ([("double_buffer_on_sequential_flow_compiled", 64, a.upload_threads, False, True)]
+                            if self.compiled_flow_fn is not None else []))
 
     def e2e_split_stage(self) -> dict:
         """Issue 7's split placement: LLM on the first GPU, flow + HiFT on the second. With one GPU both sit
@@ -957,6 +1003,12 @@ def table(results: dict) -> str:
         lines += ["## flow + HiFT: audio seconds per second", "", "| batch | HiFT dtype | segments | audio s | flow x RT | HiFT x RT | both x RT | peak GiB |", "|---|---|---|---|---|---|---|---|"]
         for r in fh:
             lines.append(f"| {r['batch']} | {r['hift_dtype']} | {r['segments']} | {r['audio_s']} | {r['flow_x_realtime']} | {r['hift_x_realtime']} | {r['flow_hift_x_realtime']} | {r['peak_gpu_gib']} |")
+        comp = st["flow_hift"].get("compiled")
+        if comp:
+            lines.append(f"\nflow estimator through torch.compile (batch {comp['compiled']['batch']}, {comp['compiled']['segments']} segments): "
+                         f"{comp['compiled']['flow_x_realtime']}x vs eager {comp['eager']['flow_x_realtime']}x real time "
+                         f"(speed-up {comp['speedup']}); compile {comp['compile_s']} s; mel vs eager max abs {comp['mel_max_abs_vs_eager']:.2e}, "
+                         f"rel L2 {comp['mel_rel_l2_vs_eager']:.2e}")
         lines.append("")
     e2e = dict(st.get("e2e", {}).get("runs", {}))
     e2e.update(st.get("e2e_split", {}).get("runs", {}))
@@ -1010,6 +1062,8 @@ def main() -> None:
                     help="e2e decode attention: stock SDPA with GQA (cuDNN) or query heads grouped per KV head")
     ap.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
                     help="e2e: flow/HiFT in a second thread on its own CUDA stream while the LLM decodes")
+    ap.add_argument("--flow-compile", action="store_true",
+                    help="flow_hift: also run the estimator through torch.compile (A/B vs eager); e2e then adds a compiled-flow run")
     ap.add_argument("--e2e-rows", type=int, default=256, help="LLM cache rows in the engine")
     ap.add_argument("--e2e-intake", type=int, default=512, help="segments the engine takes from its intake at once")
     ap.add_argument("--e2e-flow-batch", type=int, default=64)
