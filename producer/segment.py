@@ -8,8 +8,10 @@ The rules are those of the official CosyVoice2 frontend (`split_paragraph`), app
    segment already has more than `token_min_n`;
 3. a last segment shorter than `merge_len` is appended to the one before it.
 
-Lengths: Chinese in characters (as official); other text through a pluggable `LengthFn` (the engine's
-tokenizer `token_length` can be passed; the default is `estimate_tokens`).
+Lengths: Chinese in characters (as official); other text through a pluggable `LengthFn`. `voxbatch
+submit` and `voxbatch render` pass the model's own tokenizer (`CosyVoice2Tokenizer.token_length`, see
+`producer.submit.segment_length_fn`) whenever a model directory is known, as the official rules do;
+the tokenizer-free `estimate_tokens` is the fallback for the tone engine or when no model dir is set.
 
 So a segment passes `token_max_n` only when (a) it is one sentence longer than that, (b) it was still at
 most `token_min_n` before its last sentence (bound: `token_min_n` + that sentence), or (c) it is a

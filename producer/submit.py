@@ -24,15 +24,39 @@ class SubmitError(ValueError):
     pass
 
 
+def segment_length_fn(settings: Settings, voice: str, engine: str | None = None) -> Callable[[str], int] | None:
+    """How segmentation measures non-Chinese text (Chinese is always counted in characters, as official).
+
+    The official rules count tokens of the model's text tokenizer, so when a model directory is known
+    (`--model-dir` / `VOXBATCH_MODEL_DIR`) this is the token count of its `CosyVoice-BlankEN/`
+    tokenizer (the `tokenizers` library; no torch, so the producer can do it). None, which makes
+    segmentation fall back to the tokenizer-free estimate `producer.segment.estimate_tokens`, only
+    for the tone engine (`engine == "tone"`, or the built-in 'tone' voice when the engine is not known
+    here, as in `voxbatch submit`) or when no model directory is set (e.g. `voxbatch render` that lets
+    the engine download the weights from a hub).
+    """
+    if engine == "tone" or voice in BUILTIN_VOICES or not settings.model_dir:
+        return None
+    from worker.cosyvoice2.tokenizer import CosyVoice2Tokenizer
+
+    return CosyVoice2Tokenizer.from_model_dir(settings.model_dir).token_length
+
+
 def plan_job(path: str | Path, voice: str, settings: Settings, *, name: str | None = None,
              fmt: AudioFormat | None = None, params: SynthesisParams | None = None,
-             length_fn: Callable[[str], int] | None = None) -> JobSpec:
-    """Read and segment a corpus into a job spec (nothing stored yet)."""
+             engine: str | None = None, length_fn: Callable[[str], int] | None = None) -> JobSpec:
+    """Read and segment a corpus into a job spec (nothing stored yet).
+
+    `engine` is the engine that will render the job when the caller knows it (`voxbatch render`);
+    `length_fn` overrides how text is measured, else `segment_length_fn(settings, voice, engine)`.
+    """
     from producer.readers import read_corpus
     from producer.segment import segment_chapters
 
     path = Path(path)
     chapters = read_corpus(path)
+    if length_fn is None:
+        length_fn = segment_length_fn(settings, voice, engine)
     segments = segment_chapters(chapters, length_fn=length_fn)
     if not segments:
         raise SubmitError(f"{path}: no text to synthesize after segmentation")

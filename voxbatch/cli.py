@@ -7,11 +7,13 @@ run on machines without torch.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from voxbatch.settings import Settings, load_settings
 
@@ -26,8 +28,20 @@ err = Console(stderr=True)
 
 
 def _fail(message: str) -> None:
-    err.print(f"[red]error:[/red] {message}")
+    """One line on stderr (newlines folded, never wrapped, brackets shown as written), exit code 2."""
+    err.print(f"[red]error:[/red] {escape(' '.join(message.split()))}", soft_wrap=True)
     raise typer.Exit(2)
+
+
+def _input_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that mean bad input (corpus, settings, model directory): one line, no traceback.
+
+    `ModelDirError` is a RuntimeError from the torch side (`worker.cosyvoice2.checkpoint`); it is
+    looked up only once that module is loaded, which it is whenever one can have been raised, so the
+    producer commands never import torch for it. (`except` evaluates this when an exception arrives.)
+    """
+    checkpoint = sys.modules.get("worker.cosyvoice2.checkpoint")
+    return (ValueError, OSError) + ((checkpoint.ModelDirError,) if checkpoint is not None else ())
 
 
 def _settings(**overrides) -> Settings:
@@ -50,17 +64,21 @@ def submit(path: Path, voice: str = typer.Option(..., help="voice profile name (
            format: Optional[str] = typer.Option(None, "--format", help="wav|flac|ogg|opus"),
            queue: Optional[str] = typer.Option(None, help="render queue (default: settings)"),
            watch: bool = typer.Option(False, help="show progress until the job finishes"),
-           max_tokens: Optional[int] = typer.Option(None, help="cap on speech tokens per segment")):
+           max_tokens: Optional[int] = typer.Option(None, help="cap on speech tokens per segment"),
+           model_dir: Optional[Path] = typer.Option(
+               None, help="CosyVoice2 model directory: segments are measured with its tokenizer (only the "
+                          "tokenizer folder is read; without a model dir, or for the 'tone' voice, a "
+                          "tokenizer-free estimate is used)")):
     """Read, segment and enqueue a corpus (.txt, .md, .epub or a folder); prints the job id."""
     from producer.submit import plan_job, submit_job
     from voxbatch.models import SynthesisParams
     from voxbatch.storage import open_storage
 
-    settings = _settings(output_format=format)
+    settings = _settings(output_format=format, model_dir=str(model_dir) if model_dir else None)
     try:
         spec = plan_job(path, voice, settings, name=name, params=SynthesisParams(max_tokens=max_tokens))
         job_id = submit_job(spec, settings, open_storage(settings), queue)
-    except (ValueError, OSError) as e:
+    except _input_errors() as e:
         _fail(str(e))
     console.print(job_id, highlight=False)
     if watch:
@@ -162,7 +180,9 @@ def render(path: Path, out: Path = typer.Option(..., help="output folder"),
            voice: str = typer.Option("tone", help="voice profile name (stored under OUT/voices/)"),
            engine: Optional[str] = typer.Option(None, help="tone|cosyvoice2"),
            llm_backend: Optional[str] = typer.Option(None, help="torch|vllm"),
-           model_dir: Optional[Path] = typer.Option(None, help="CosyVoice2 model directory"),
+           model_dir: Optional[Path] = typer.Option(
+               None, help="CosyVoice2 model directory; its tokenizer also measures the segments (without "
+                          "one, or with the tone engine, a tokenizer-free estimate is used)"),
            format: Optional[str] = typer.Option(None, "--format", help="wav|flac|ogg|opus"),
            max_tokens: Optional[int] = typer.Option(None, help="cap on speech tokens per segment")):
     """Render a corpus in this process into a local folder (no Redis, no S3): the embedded default."""
@@ -173,7 +193,7 @@ def render(path: Path, out: Path = typer.Option(..., help="output folder"),
                          output_format=format, storage_url=out.resolve().as_uri())
     try:
         manifest = render_local(path, out, voice, settings, params=SynthesisParams(max_tokens=max_tokens))
-    except (ValueError, OSError) as e:
+    except _input_errors() as e:
         _fail(str(e))
     total = sum(c.duration_s for c in manifest.chapters)
     console.print(f"job {manifest.job_id}: {len(manifest.segments)} segments, {total:.1f} s of audio, "
@@ -194,7 +214,7 @@ def voice_add(name: str, wav: Path = typer.Option(..., help="prompt audio (≤ 3
         _fail("voice add needs the model directory: --model-dir or VOXBATCH_MODEL_DIR")
     try:
         profile = create_voice(settings.model_dir, name, wav, text)
-    except (ValueError, OSError) as e:
+    except _input_errors() as e:
         _fail(str(e))
     save_voice(open_storage(settings), profile)
     console.print(f"stored voice {name!r}")

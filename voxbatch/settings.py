@@ -57,6 +57,9 @@ class Settings(BaseSettings):
     hift_device: str | None = None
     # Share of GPU memory vLLM may take (the rest stays for flow/HiFT on the same GPU).
     vllm_gpu_memory_utilization: float = Field(0.45, gt=0.0, le=1.0)
+    # vLLM's max_model_len: prompt + speech tokens one request may hold; the engine caps a segment's
+    # max_tokens (20 x its text tokens) to fit, as it does for the torch backend's KV cache.
+    vllm_max_model_len: int = Field(4096, ge=64)
     # Most segments the engine synthesizes in one batch.
     engine_max_batch: int = Field(64, ge=1)
 

@@ -270,8 +270,10 @@ class CosyVoice2Engine(Engine):
         max_tokens = MAX_TOKENS_PER_TEXT_TOKEN * len(text)
         if p.max_tokens is not None:
             max_tokens = min(max_tokens, p.max_tokens)
-        max_seq = getattr(self.llm, "max_seq", None)  # the torch backend's KV cache length
-        prompt_len = len(prefix) + len(text) + len(prompt_speech) + 2
+        # The one place max_tokens meets the backend's capacity: `max_seq` is the torch backend's KV
+        # cache length and the vllm backend's max_model_len; either rejects a request past it.
+        max_seq = getattr(self.llm, "max_seq", None)
+        prompt_len = len(prefix) + len(text) + len(prompt_speech) + 2  # sos + text + task_id + speech
         if max_seq is not None and prompt_len + max_tokens > max_seq:
             if prompt_len >= max_seq:
                 raise ValueError(f"prompt of {prompt_len} tokens does not fit the LLM's {max_seq} positions")

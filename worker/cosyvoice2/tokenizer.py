@@ -5,6 +5,10 @@ The `CosyVoice-BlankEN/` folder only holds Qwen2's own specials (`<|endoftext|>`
 at load time, so their ids depend on the order they are added in; `SPECIAL_TOKENS` keeps that order.
 We load `tokenizer.json` when present, else rebuild the same pipeline from `vocab.json` + `merges.txt`
 (NFC, Qwen2's split regex, ByteLevel, no BOS), so both layouts of the folder give the same ids.
+
+No torch here: the producer counts tokens with this class to segment text (`producer/submit.py`)
+on machines without torch. For the same reason a bad folder raises `TokenizerError`, a ValueError,
+rather than `checkpoint.ModelDirError` (that module imports torch).
 """
 
 from __future__ import annotations
@@ -14,9 +18,12 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-from worker.cosyvoice2.checkpoint import ModelDirError
-
 TOKENIZER_DIR = "CosyVoice-BlankEN"
+WHAT = "the Qwen2 tokenizer folder: tokenizer.json, or vocab.json + merges.txt"
+
+
+class TokenizerError(ValueError):
+    """The tokenizer folder is missing, or holds files the `tokenizers` library cannot read."""
 
 # Added after the base vocabulary in exactly this order (the official `get_qwen_tokenizer` list).
 # Tokens already in the vocabulary (`<|im_start|>`, `<|im_end|>`) keep their ids.
@@ -57,12 +64,18 @@ class CosyVoice2Tokenizer:
 
     def __init__(self, folder: str | Path):
         folder = Path(folder)
+        if not folder.is_dir():
+            raise TokenizerError(f"{folder}: missing ({WHAT})")
         if (folder / "tokenizer.json").is_file():
-            self._tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+            files, load = str(folder / "tokenizer.json"), lambda: Tokenizer.from_file(str(folder / "tokenizer.json"))
         elif (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file():
-            self._tok = _from_vocab_merges(folder)
+            files, load = f"{folder}/{{vocab.json,merges.txt}}", lambda: _from_vocab_merges(folder)
         else:
-            raise ModelDirError(f"{folder}: no tokenizer.json and no vocab.json + merges.txt")
+            raise TokenizerError(f"{folder}: no tokenizer.json and no vocab.json + merges.txt ({WHAT})")
+        try:
+            self._tok: Tokenizer = load()
+        except Exception as e:  # noqa: BLE001 - `tokenizers` raises a plain Exception for a malformed file
+            raise TokenizerError(f"{files}: not a readable tokenizer ({type(e).__name__}: {e})") from e
         self._tok.add_special_tokens(
             [AddedToken(t, single_word=False, lstrip=False, rstrip=False, normalized=False, special=True) for t in SPECIAL_TOKENS]
         )

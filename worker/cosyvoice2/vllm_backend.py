@@ -88,6 +88,7 @@ class VllmLlmBackend(LlmBackend):
         self.embedder = PromptEmbedder(model_dir, self.dims)
         folder = export_for_vllm(model_dir, self.options.export_cache_dir)
         vllm_model.register()
+        self._threads = torch.get_num_threads()  # the process's intra-op threads, for the driver thread
         self.engine, self.dtype = _build_engine(folder, self.options)
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._ids = itertools.count()
@@ -106,9 +107,15 @@ class VllmLlmBackend(LlmBackend):
             log.warning("llm_device=%s: the vllm backend uses the first visible GPU (set CUDA_VISIBLE_DEVICES)", device)
         options = VllmOptions(
             gpu_memory_utilization=settings.vllm_gpu_memory_utilization,
+            max_model_len=settings.vllm_max_model_len,
             max_num_seqs=settings.engine_max_batch,
         )
         return cls(settings.model_dir, options)
+
+    @property
+    def max_seq(self) -> int:
+        """Positions one request may use (prompt + generated); the engine caps max_tokens to fit."""
+        return self.options.max_model_len
 
     # -- the caller side ---------------------------------------------------------------------------
 
@@ -183,6 +190,11 @@ class VllmLlmBackend(LlmBackend):
     # -- the driver thread -------------------------------------------------------------------------
 
     def _drive(self) -> None:
+        # A new thread starts with OpenMP's default thread count, not the one torch.set_num_threads gave
+        # the process; vLLM's CPU attention plans its work split with the former and checks it against
+        # the latter ("thread_num == thread_num (2 vs. 1)" on a long prompt). torch._C's own setter:
+        # vLLM's CPU worker replaces torch.set_num_threads with a no-op.
+        torch._C.set_num_threads(self._threads)
         owners: dict[str, tuple[_Job, int]] = {}
         stop_ids = set(self.dims.stop_ids)
         while True:
