@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +26,7 @@ from voxbatch.jobstate import RedisJobStore
 from voxbatch.models import JobSpec, Manifest
 from voxbatch.settings import Settings
 from voxbatch.storage import S3Storage
-from worker.tone import FAIL_MARKER, SAMPLE_RATE, tone_samples
+from worker.tone import CRASH_MARKER, FAIL_MARKER, SAMPLE_RATE, tone_samples
 
 pytestmark = pytest.mark.integration
 
@@ -71,6 +73,40 @@ class Cluster:
 
     def spec(self, job_id: str) -> JobSpec:
         return JobSpec.model_validate_json(self.storage.get(keys.job_spec(job_id)))
+
+    def attempts(self, job_id: str) -> dict[str, int]:
+        return {k: int(v) for k, v in self.jobs.r.hgetall(f"vb:job:{{{job_id}}}:attempts").items()}
+
+    def last_modified(self, job_id: str) -> dict[str, object]:
+        """Every object of a job (segments, chapters, manifest, ...) -> its S3 LastModified."""
+        s3 = self.storage
+        return {k: s3.client.head_object(Bucket=s3.bucket, Key=s3._key(k))["LastModified"]
+                for k in s3.list(f"jobs/{job_id}/")}
+
+    def resend(self, tasks) -> list[str]:
+        """Deliver render tasks again, as the broker would after a lost ack; returns the task ids."""
+        from voxbatch.celery_app import configure_celery, send_render
+
+        settings = Settings(broker_url=self.env["VOXBATCH_BROKER_URL"], render_queue=self.env["VOXBATCH_RENDER_QUEUE"])
+        configure_celery(settings)
+        return [send_render(task, settings.render_queue) for task in tasks]
+
+    def unacked(self) -> int:
+        """Render messages of this cluster's queue that a worker holds unacknowledged (kombu's hash)."""
+        queue = self.env["VOXBATCH_RENDER_QUEUE"]
+        return sum(json.loads(v)[2] == queue for v in self.jobs.r.hvals("unacked"))
+
+
+def succeeded(worker: services.VoxbatchProcess, task_ids: list[str]) -> bool:
+    """Every task id has Celery's "succeeded" line in the worker's log (it ran, returned and acked)."""
+    log = worker.tail(10**7)
+    return all(f"voxbatch.render[{t}] succeeded" in log for t in task_ids)
+
+
+def segments_rendered(port: int) -> float:
+    """The worker's Prometheus counter of segment objects written (one per render + store)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return float(re.search(r"^voxbatch_segments_rendered_total\{.*\} (\S+)$", text, re.M).group(1))
 
 
 @pytest.fixture
@@ -152,31 +188,63 @@ def test_worker_killed_mid_job_is_restarted_and_job_completes(cluster, tmp_path)
 
 
 def test_task_delivered_twice_is_not_rendered_twice(cluster, tmp_path):
-    from voxbatch.celery_app import configure_celery, send_render
+    """Every render task of a finished job delivered again: each is consumed, skips all its segments
+    (the worker logs it), acks, and nothing is rendered, written or assembled a second time."""
     from producer.submit import render_tasks
 
     book = corpora.write_txt(tmp_path / "book.txt")
-    cluster.start("worker")
+    port = services.free_port()
+    worker = cluster.start("worker", extra_env={"VOXBATCH_METRICS_PORT": str(port)})
     cluster.start("assembler")
     job_id = cluster.submit(book)
     cluster.wait_finished(job_id)
     spec = cluster.spec(job_id)
-    before = {k: cluster.storage.client.head_object(Bucket=cluster.storage.bucket, Key=cluster.storage._key(k))["ETag"]
-              for k in cluster.storage.list(f"jobs/{job_id}/segments/")}
-    attempts_before = cluster.jobs.r.hgetall(f"vb:job:{{{job_id}}}:attempts")
-    # Deliver every render task of the job a second time.
-    settings = Settings(broker_url=cluster.env["VOXBATCH_BROKER_URL"], render_queue=cluster.env["VOXBATCH_RENDER_QUEUE"])
-    configure_celery(settings)
-    for task in render_tasks(spec, 4):
-        send_render(task, settings.render_queue)
-    services.wait_until(lambda: cluster.jobs.r.llen(settings.render_queue) == 0, 30, "queue drained")
-    time.sleep(2)
-    assert cluster.jobs.r.hgetall(f"vb:job:{{{job_id}}}:attempts") == attempts_before  # no new attempt
-    after = {k: cluster.storage.client.head_object(Bucket=cluster.storage.bucket, Key=cluster.storage._key(k))["ETag"]
-             for k in cluster.storage.list(f"jobs/{job_id}/segments/")}
-    assert after == before
+    services.wait_until(lambda: cluster.storage.exists(keys.manifest(job_id)), 30, "manifest")
+    assert segments_rendered(port) == len(spec.segments)  # the counter sees renders
+    objects_before, attempts_before = cluster.last_modified(job_id), cluster.attempts(job_id)
+    tasks = list(render_tasks(spec, 4))
+    time.sleep(1.1)  # S3 LastModified has one-second resolution: a rewrite now would show
+    task_ids = cluster.resend(tasks)
+    services.wait_until(lambda: succeeded(worker, task_ids), 60, "the redelivered tasks to run and ack")
+    log = worker.tail(10**7)
+    for task in tasks:
+        n = len(task.segments)
+        assert f"job {job_id}: {n} of {n} segments ({task.segments[0].id}..{task.segments[-1].id}) already" in log
+    assert segments_rendered(port) == len(spec.segments)  # no second render
+    assert cluster.attempts(job_id) == attempts_before  # no new attempt started
+    assert cluster.last_modified(job_id) == objects_before  # nothing rewritten, no second assembly
+    assert cluster.unacked() == 0 and cluster.jobs.r.llen(cluster.env["VOXBATCH_RENDER_QUEUE"]) == 0
     status = cluster.jobs.status(job_id)
     assert status.state == "completed" and status.done == len(spec.segments)
+
+
+def test_task_delivered_twice_while_the_job_runs_is_not_rendered_twice(cluster, tmp_path):
+    """Duplicates of the first finished tasks arrive while the rest of the job is still rendering."""
+    from producer.submit import render_tasks
+
+    book = corpora.long_book(tmp_path / "long.txt", chapters=2, sentences=60)
+    port = services.free_port()
+    worker = cluster.start("worker", extra_env={"VOXBATCH_METRICS_PORT": str(port), "VOXBATCH_TONE_RTF": "0.03"})
+    cluster.start("assembler")
+    job_id = cluster.submit(book)
+    spec = cluster.spec(job_id)
+    tasks = list(render_tasks(spec, 4))
+    assert len(tasks) >= 8, "the job must outlast the duplicates: make it longer"
+    first = tasks[:2]
+    ids = {seg.id for t in first for seg in t.segments}
+    services.wait_until(lambda: ids <= cluster.jobs.done_ids(job_id), 60, "the first two tasks stored")
+    task_ids = cluster.resend(first)
+    services.wait_until(lambda: succeeded(worker, task_ids), 60, "the duplicates to run and ack")
+    status = cluster.jobs.status(job_id)
+    assert status.state == "running" and status.done < status.total, "the job ended first: make it longer"
+    status = cluster.wait_finished(job_id)
+    assert status.state == "completed"
+    log = worker.tail(10**7)
+    for task in first:
+        assert f"job {job_id}: 4 of 4 segments ({task.segments[0].id}..{task.segments[-1].id}) already" in log
+    assert segments_rendered(port) == len(spec.segments)  # every segment rendered exactly once
+    assert set(cluster.attempts(job_id).values()) == {1}
+    assert_complete(cluster, job_id)
 
 
 def test_cancel_then_retry(cluster, tmp_path):
@@ -225,6 +293,86 @@ def test_failing_segment_is_retried_then_recorded_and_retry_reenqueues_only_it(c
     assert "re-enqueued 1 segment" in out
     status = cluster.wait_finished(job_id)
     assert status.state == "completed_with_errors" and status.failed == 1
+
+
+def test_segment_that_crashes_its_worker_is_given_up_after_max_attempts(cluster, tmp_path):
+    """A poison segment SIGKILLs every worker that renders it. The launcher restarts the worker, the
+    broker redelivers the task (visibility timeout), and the Redis attempt counter ends the loop:
+    after max_attempts crashes the segment is recorded failed and the rest of the job completes.
+
+    One segment per task and one task at a time, so each crash takes down only the poison segment
+    (co-batched segments would lose an attempt to every crash too)."""
+    max_attempts = 2
+    book = tmp_path / "book.md"
+    book.write_text(f"# One\n\nA fine sentence here.\n\n# Two\n\nThis one crashes {CRASH_MARKER} the worker.\n\n"
+                    "# Three\n\nAnd this one is fine again.\n\n# Four\n\nThe last one is fine too.\n",
+                    encoding="utf-8")
+    cluster.env.update(VOXBATCH_BATCH_SIZE="1", VOXBATCH_TASK_CONCURRENCY="1", VOXBATCH_VISIBILITY_TIMEOUT_S="10",
+                       VOXBATCH_MAX_ATTEMPTS=str(max_attempts))
+    launcher = cluster.start("worker")
+    cluster.start("assembler")
+    job_id = cluster.submit(book)
+    spec = cluster.spec(job_id)
+    bad = next(s for s in spec.segments if CRASH_MARKER in s.text)
+    status = cluster.wait_finished(job_id, timeout_s=120)
+    assert status.state == "completed_with_errors" and status.failed == 1 and status.done == status.total - 1
+    assert list(status.errors) == [bad.id]
+    assert f"gave up after {max_attempts} attempts: worker lost while rendering" in status.errors[bad.id]
+    assert cluster.attempts(job_id)[bad.id] == max_attempts
+    manifest = cluster.manifest(job_id)
+    assert manifest.state == "completed_with_errors" and bad.id in manifest.failed
+    stored = set(cluster.storage.list(f"jobs/{job_id}/segments/"))
+    assert stored == {keys.segment(job_id, s.chapter, s.index, spec.format) for s in spec.segments if s is not bad}
+    # Bounded: one crash and one restart per attempt, then the worker stays up and the queue is empty.
+    time.sleep(3)
+    log = launcher.tail(10**7)
+    assert log.count(f"segment {bad.id} asks for a crash") == max_attempts
+    assert log.count("restarting in") == max_attempts
+    assert launcher.proc.poll() is None and subprocess.run(["pgrep", "-P", str(launcher.proc.pid)]).returncode == 0
+    assert cluster.unacked() == 0 and cluster.jobs.r.llen(cluster.env["VOXBATCH_RENDER_QUEUE"]) == 0
+
+
+def test_sigterm_finishes_in_flight_work_within_the_window_then_hands_back_the_rest(cluster, tmp_path):
+    """SIGTERM to `voxbatch worker` mid-job, with more work in flight than the shutdown window
+    (min(60 s, visibility timeout) = 12 s here) can finish: the worker keeps storing segments during
+    the window, then hands its unfinished tasks back to the queue at once (nothing left unacked to
+    wait out a visibility timeout), and exits. A new worker completes the job; segments that were
+    only queued in the old worker did not use up an attempt."""
+    from voxbatch.celery_app import shutdown_window_s
+
+    window_s = shutdown_window_s(Settings(visibility_timeout_s=int(cluster.env["VOXBATCH_VISIBILITY_TIMEOUT_S"])))
+    book = corpora.long_book(tmp_path / "long.txt", chapters=2, sentences=60)
+    # ~1.8 s per segment, engine batches of 2: 4 tasks x 4 segments in flight is ~30 s of work.
+    slow = {"VOXBATCH_TONE_RTF": "0.1", "VOXBATCH_ENGINE_MAX_BATCH": "2"}
+    old = cluster.start("worker", "--gpus", "0", extra_env=slow)
+    cluster.start("assembler")
+    job_id = cluster.submit(book)
+    total = cluster.jobs.status(job_id).total
+    services.wait_until(lambda: cluster.jobs.status(job_id).done >= 2, 60, "some progress")
+    t0 = time.monotonic()
+    os.kill(old.proc.pid, signal.SIGTERM)
+    done_at_term = cluster.jobs.status(job_id).done
+    old.proc.wait(window_s + 15)
+    exited_s = time.monotonic() - t0
+    assert window_s - 1 <= exited_s <= window_s + 12, exited_s
+    log = old.tail(10**7)
+    handed_back = int(re.search(r"shutdown window over: (\d+) unfinished render task", log).group(1))
+    assert handed_back >= 1
+    done_at_exit = cluster.jobs.status(job_id).done
+    assert done_at_term < done_at_exit < total  # kept storing during the window, then stopped
+    assert cluster.unacked() == 0  # handed back, not left for the visibility timeout
+    assert cluster.jobs.r.llen(cluster.env["VOXBATCH_RENDER_QUEUE"]) >= handed_back
+    new = cluster.start("worker")
+    status = cluster.wait_finished(job_id, timeout_s=120)
+    assert status.state == "completed" and status.done == total and status.failed == 0
+    assert_complete(cluster, job_id)
+    attempts = cluster.attempts(job_id)
+    assert set(attempts) == {s.id for s in cluster.spec(job_id).segments} and max(attempts.values()) <= 2
+    assert sum(attempts.values()) <= total + int(slow["VOXBATCH_ENGINE_MAX_BATCH"])  # only the engine's batch twice
+    # An idle worker exits at once on SIGTERM: the window bounds in-flight work, it is not a delay.
+    t0 = time.monotonic()
+    os.kill(new.proc.pid, signal.SIGTERM)
+    assert new.proc.wait(10) == 0 and time.monotonic() - t0 < 5
 
 
 @pytest.mark.parametrize("content,expect", [

@@ -6,6 +6,13 @@ work: JSON only; acks late and rejected-on-worker-lost, so a crashed worker's ta
 queue; prefetch 1, so a worker does not hoard tasks other workers could run; a visibility timeout
 above the longest task (else a healthy task is delivered twice) and a short unacked-restore interval
 (kombu's default re-checks only every ~100 s, so a SIGKILLed worker's task would idle that long).
+
+Shutdown: Celery 5 treats SIGTERM (and a first SIGINT) as a *warm* shutdown: stop consuming, then
+wait for the running tasks without limit. Its `worker_soft_shutdown_timeout` bounds only the *cold*
+shutdown (SIGQUIT, or SIGTERM when the environment has REMAP_SIGTERM=SIGQUIT), and that path cancels
+tasks through `pool.terminate_job`, which the thread pool does not implement. So it is not set here;
+the render worker bounds the warm shutdown itself (worker/main.py): it waits `shutdown_window_s` for
+the segments in flight, then hands every unfinished task back to the queue and exits.
 """
 
 from __future__ import annotations
@@ -18,7 +25,17 @@ from voxbatch.settings import Settings
 RENDER_TASK = "voxbatch.render"
 ASSEMBLE_TASK = "voxbatch.assemble"
 
+# How long a render worker told to stop (SIGTERM) keeps working on its in-flight tasks before it
+# hands the unfinished ones back to the queue. Kubernetes' and compose's grace periods are longer.
+SHUTDOWN_WINDOW_S = 60.0
+
 app = Celery("voxbatch", set_as_current=False)
+
+
+def shutdown_window_s(settings: Settings) -> float:
+    """`SHUTDOWN_WINDOW_S`, but never longer than the visibility timeout: a task running that long
+    has already been restored to the queue for another worker, so waiting on it only doubles work."""
+    return min(SHUTDOWN_WINDOW_S, float(settings.visibility_timeout_s))
 
 
 def configure_celery(settings: Settings) -> Celery:
@@ -41,9 +58,6 @@ def configure_celery(settings: Settings) -> Celery:
             "unacked_restore_interval": settings.unacked_restore_interval_s,
             "unacked_restore_throttle": 1,
         },
-        # On SIGTERM the worker keeps running its in-flight tasks this long, then re-queues the rest.
-        worker_soft_shutdown_timeout=60.0,
-        worker_enable_soft_shutdown_on_idle=True,
         task_routes={
             RENDER_TASK: {"queue": settings.render_queue},
             ASSEMBLE_TASK: {"queue": settings.assemble_queue},
@@ -53,8 +67,9 @@ def configure_celery(settings: Settings) -> Celery:
     return app
 
 
-def send_render(task: RenderTask, queue: str | None = None) -> None:
-    app.send_task(RENDER_TASK, args=[task.model_dump(mode="json")], queue=queue)
+def send_render(task: RenderTask, queue: str | None = None) -> str:
+    """Send one render task; returns its Celery task id (what the worker's log lines name)."""
+    return app.send_task(RENDER_TASK, args=[task.model_dump(mode="json")], queue=queue).id
 
 
 def send_assemble(job_id: str, queue: str | None = None) -> None:

@@ -8,7 +8,8 @@ Redis key layout (all keys of a job share the `{<job>}` hash tag, so a job lives
                                        created_at, updated_at, assemble (0/1: the one assemble claimed)
     vb:job:{<job>}:done         set    ids of segments stored
     vb:job:{<job>}:failed       hash   segment id -> final error
-    vb:job:{<job>}:attempts     hash   segment id -> attempts started (survives worker crashes)
+    vb:job:{<job>}:attempts     hash   segment id -> attempts started (survives worker crashes); an attempt
+                                       given back unstarted (graceful shutdown, refused poison) is un-counted
     vb:job:{<job>}:errors       hash   segment id -> last error seen (kept while retrying)
 
 Every step that touches several keys is one Lua script, so two workers finishing the last two
@@ -113,6 +114,10 @@ class JobStore(ABC):
         """Count one more attempt at a segment; returns the attempts so far, this one included."""
 
     @abstractmethod
+    def forget_attempt(self, job_id: str, seg_id: str) -> None:
+        """Un-count an attempt that never reached the engine (its task was handed back, or refused)."""
+
+    @abstractmethod
     def note_error(self, job_id: str, seg_id: str, error: str) -> None: ...
 
     @abstractmethod
@@ -162,6 +167,9 @@ class RedisJobStore(JobStore):
 
     def begin_attempt(self, job_id: str, seg_id: str) -> int:
         return int(self.r.hincrby(self._k(job_id, "attempts"), seg_id, 1))
+
+    def forget_attempt(self, job_id: str, seg_id: str) -> None:
+        self.r.hincrby(self._k(job_id, "attempts"), seg_id, -1)
 
     def note_error(self, job_id: str, seg_id: str, error: str) -> None:
         self.r.hset(self._k(job_id, "errors"), seg_id, error[:2000])
@@ -232,6 +240,11 @@ class MemoryJobStore(JobStore):
             a = self._jobs[job_id]["attempts"]
             a[seg_id] = a.get(seg_id, 0) + 1
             return a[seg_id]
+
+    def forget_attempt(self, job_id: str, seg_id: str) -> None:
+        with self._lock:
+            a = self._jobs[job_id]["attempts"]
+            a[seg_id] = a.get(seg_id, 0) - 1
 
     def note_error(self, job_id: str, seg_id: str, error: str) -> None:
         with self._lock:

@@ -2,9 +2,11 @@
 
 CUDA_VISIBLE_DEVICES is set in each child's environment before the child starts, so the pinning
 holds before anything imports torch. A child that exits unexpectedly (SIGKILL, OOM) is started
-again after a short backoff; its unacknowledged task returns to the queue through the broker's
-visibility timeout. SIGTERM/SIGINT are passed on, so children finish in-flight segments (Celery's
-soft shutdown) before the launcher exits.
+again after a backoff that doubles with each quick death and resets once a child has run for
+`HEALTHY_S`; its unacknowledged task returns to the queue through the broker's visibility timeout,
+and the per-segment attempt counter in Redis ends a poison task's loop. SIGTERM/SIGINT are passed
+on: each child stops taking tasks, gives its in-flight segments the shutdown window, hands back
+what is unfinished (worker/main.py), and the launcher exits when all children have.
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ import socket
 import subprocess
 import sys
 import time
+
+# A child that ran this long before dying is not crash-looping: its next restart waits the least.
+HEALTHY_S = 60.0
 
 
 def _spawn(gpu: str | None, concurrency: int | None, queues: str | None,
@@ -40,6 +45,7 @@ def run_workers(gpus: list[str] | None, concurrency: int | None = None, queues: 
     slots: list[str | None] = list(gpus) if gpus else [None]
     extra = dict(env_overrides or {})
     procs = {slot: _spawn(slot, concurrency, queues, extra) for slot in slots}
+    started = {slot: time.monotonic() for slot in slots}
     stopping = False
 
     def _forward(signum, _frame):
@@ -64,9 +70,16 @@ def run_workers(gpus: list[str] | None, concurrency: int | None = None, queues: 
                 continue
             if not restart:
                 return code
+            if time.monotonic() - started[slot] >= HEALTHY_S:
+                restarts[slot] = 0
             restarts[slot] += 1
             delay = min(30.0, 0.5 * 2 ** min(restarts[slot], 6))
             print(f"voxbatch: worker for GPU {slot} exited with {code}; restarting in {delay:.1f}s",
                   file=sys.stderr, flush=True)
             time.sleep(delay)
+            if stopping:
+                break  # a SIGTERM arrived during the backoff: no new child, nothing to pass it to
             procs[slot] = _spawn(slot, concurrency, queues, extra)
+            started[slot] = time.monotonic()
+            if stopping:  # it arrived while spawning, before the new child was in `procs`
+                procs[slot].send_signal(signal.SIGTERM)

@@ -4,8 +4,13 @@ Render tasks (Celery threads) hand their segments to the engine's intake and wai
 One engine thread batches from the intake and pushes finished audio into a bounded queue; upload
 threads encode it, write it to storage under its final key, record it in the job store and count
 the task's segments down. The engine only waits on storage when that queue is full, so the GPU keeps
-working while objects upload. This is the one path that finishes a segment (`_finish`): stored,
+working while objects upload. This is the one path that finishes a segment (`_record`): stored,
 retried with backoff, or failed for good after `max_attempts`.
+
+On shutdown the worker may `abandon()` the tasks still waiting: their handles are released marked
+abandoned (the task then hands its message back to the broker instead of acking), and segments not
+yet taken by the engine leave the intake with their attempt un-counted, so a rolling restart does
+not use up a segment's attempts.
 """
 
 from __future__ import annotations
@@ -15,8 +20,11 @@ import queue
 import random
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from celery.exceptions import Reject
 
 from voxbatch.audio import content_type, encode, probe
 from voxbatch.jobstate import JobStore
@@ -34,10 +42,16 @@ def backoff_s(attempt: int, base_ms: int, max_ms: int) -> float:
 
 
 class TaskHandle:
-    """Counts one render task's segments down; the Celery thread waits on it before acking."""
+    """Counts one render task's segments down; the Celery thread waits on it before acking.
+
+    `skipped` counts segments found already stored (a redelivery), `abandoned` says the wait ended
+    because the worker is shutting down with segments unfinished (the task must not ack).
+    """
 
     def __init__(self, task: RenderTask):
         self.task = task
+        self.skipped = 0
+        self.abandoned = False
         self._left = len(task.segments)
         self._lock = threading.Lock()
         self._done = threading.Event()
@@ -50,8 +64,27 @@ class TaskHandle:
             if self._left <= 0:
                 self._done.set()
 
+    def abandon(self) -> None:
+        with self._lock:
+            if self._left > 0:
+                self.abandoned = True
+                self._done.set()
+
     def wait(self, timeout: float | None = None) -> bool:
-        return self._done.wait(timeout)
+        """True once every segment is finished; raises `TaskAbandoned` if the worker gave up first."""
+        done = self._done.wait(timeout)
+        if done and self.abandoned:
+            raise TaskAbandoned(self.task)
+        return done
+
+
+class TaskAbandoned(Reject):
+    """A task released unfinished at shutdown. A Celery `Reject(requeue=True)`, so the render task
+    that waited hands its message straight back to the queue: neither acked (its segments would be
+    lost) nor left unacked (it would idle until the visibility timeout)."""
+
+    def __init__(self, task: RenderTask):
+        super().__init__(f"job {task.job_id}: worker shutting down with segments unfinished", requeue=True)
 
 
 @dataclass(frozen=True)
@@ -72,6 +105,9 @@ class Pipeline:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._timers: set[threading.Timer] = set()
+        self._handles: weakref.WeakSet[TaskHandle] = weakref.WeakSet()  # tasks in flight, for abandon()
+        self._handles_lock = threading.Lock()
+        self._abandoned = threading.Event()
         self.engine_waited_s = 0.0  # time the engine spent blocked on a full output queue
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -89,15 +125,48 @@ class Pipeline:
             t.start()
         return self
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Stop the threads, letting them store what is already rendered for up to `timeout_s` in all."""
         self.intake.put(None)
         self._stop.set()
         for _ in range(self.settings.upload_threads):
             self.output.put(None)
         for timer in list(self._timers):
             timer.cancel()
+        deadline = time.monotonic() + timeout_s
         for t in self._threads:
-            t.join(timeout=30)
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
+
+    def abandon(self) -> int:
+        """Release every task still waiting, marked abandoned; returns how many were released.
+
+        Called when the shutdown window ends. Segments still in the intake never reached the engine:
+        they are taken out and their attempt un-counted. Whatever the engine is rendering now may
+        still be stored; the redelivered task then finds it stored and skips it.
+        """
+        self._abandoned.set()
+        for timer in list(self._timers):
+            timer.cancel()
+        for req in self._drain_intake():
+            tag: _Tag = req.tag
+            self.jobs.forget_attempt(tag.handle.task.job_id, tag.segment.id)
+        with self._handles_lock:
+            handles = list(self._handles)
+        for handle in handles:
+            handle.abandon()
+        return sum(h.abandoned for h in handles)
+
+    def _drain_intake(self) -> list[SynthesisRequest]:
+        drained = []
+        while True:
+            try:
+                req = self.intake.get_nowait()
+            except queue.Empty:
+                return drained
+            if req is None:  # stop() was called: leave its sentinel for the engine
+                self.intake.put(None)
+                return drained
+            drained.append(req)
 
     def __enter__(self) -> "Pipeline":
         return self.start()
@@ -109,12 +178,22 @@ class Pipeline:
     def submit(self, task: RenderTask) -> TaskHandle:
         """Queue a task's segments for rendering; segments already stored are not rendered again."""
         handle = TaskHandle(task)
+        if self._abandoned.is_set():
+            handle.abandon()
+            return handle
+        with self._handles_lock:
+            self._handles.add(handle)
         state = self.jobs.state(task.job_id)
         for seg in task.segments:
             if state in (None, "cancelled") or self._already_stored(task, seg):
+                handle.skipped += 1
                 handle.segment_finished()
                 continue
             self._enqueue(handle, seg)
+        if handle.skipped:
+            # A redelivery (or a task of a cancelled job): say so, it is the only trace it leaves.
+            log.info("job %s: %d of %d segments (%s..%s) already stored or cancelled, not rendered",
+                     task.job_id, handle.skipped, len(task.segments), task.segments[0].id, task.segments[-1].id)
         return handle
 
     def _already_stored(self, task: RenderTask, seg: TaskSegment) -> bool:
@@ -128,9 +207,14 @@ class Pipeline:
 
     def _enqueue(self, handle: TaskHandle, seg: TaskSegment) -> None:
         task = handle.task
+        if self._abandoned.is_set():
+            handle.abandon()  # shutting down: not worth starting, the redelivery renders it
+            return
         attempt = self.jobs.begin_attempt(task.job_id, seg.id)
         if attempt > self.settings.max_attempts:
-            # A poison segment (or one whose workers kept dying): give up instead of looping.
+            # A poison segment (or one whose workers kept dying): give up instead of looping. This
+            # attempt is refused, not made, so the counter stays at max_attempts.
+            self.jobs.forget_attempt(task.job_id, seg.id)
             error = self.jobs.last_error(task.job_id, seg.id) or "worker lost while rendering"
             self._record(task.job_id, seg.id, error=f"gave up after {attempt - 1} attempts: {error}")
             handle.segment_finished()
@@ -192,6 +276,8 @@ class Pipeline:
 
     def _retry(self, tag: _Tag) -> None:
         self._timers.discard(threading.current_thread())  # type: ignore[arg-type]
+        if self._abandoned.is_set():
+            return  # the handle was released; the redelivered task retries this segment
         if self.jobs.state(tag.handle.task.job_id) in (None, "cancelled"):
             tag.handle.segment_finished()
             return

@@ -5,14 +5,22 @@ capacity planning: it produces audio at the length real speech of the same text 
 (about 15 characters per second of English; Chinese characters count three times), as fast as
 numpy can write samples, so whatever throughput the pipeline shows with it is the pipeline's own.
 The same (text, voice, seed) always gives the same samples. `rtf` > 0 makes it take that many
-seconds per second of audio, to stand in for a GPU of known speed. A segment whose text contains
-`FAIL_MARKER` raises, so tests can drive the retry/failure path through real processes.
+seconds per second of audio, to stand in for a GPU of known speed.
+
+Two markers in a segment's text let tests drive the failure paths through real processes:
+`FAIL_MARKER` ("[[tone:fail]]") makes synthesis raise (the retry, then failed-for-good path), and
+`CRASH_MARKER` ("[[tone:crash]]") makes the whole worker process SIGKILL itself while rendering
+that segment, as the OOM killer or a driver fault would: nothing is recorded, the task stays unacked,
+and only the attempt counter in Redis stops the redelivered task from crashing workers forever.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import re
+import signal
+import sys
 import time
 from collections.abc import Iterator
 
@@ -23,6 +31,7 @@ from worker.engine import Engine, SynthesisRequest, SynthesisResult
 SAMPLE_RATE = 24000
 CHARS_PER_SECOND = 15.0
 FAIL_MARKER = "[[tone:fail]]"
+CRASH_MARKER = "[[tone:crash]]"
 _CJK = re.compile(r"[\u3400-\u9fff\uf900-\ufaff]")
 
 
@@ -35,6 +44,13 @@ def tone_duration_s(text: str) -> float:
 
 def tone_samples(text: str) -> int:
     return int(round(tone_duration_s(text) * SAMPLE_RATE))
+
+
+def _crash(segment_id: str) -> None:
+    """Die at once, no cleanup, no exception handler reached: SIGKILL, like the kernel's OOM killer."""
+    print(f"tone engine: segment {segment_id} asks for a crash; SIGKILL to pid {os.getpid()}",
+          file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 class ToneEngine(Engine):
@@ -52,6 +68,8 @@ class ToneEngine(Engine):
         for req in batch:
             if FAIL_MARKER in req.text:
                 raise ValueError(f"segment {req.segment_id}: text asks the tone engine to fail")
+            if CRASH_MARKER in req.text:
+                _crash(req.segment_id)
             n = tone_samples(req.text)
             if self.rtf:
                 time.sleep(self.rtf * n / SAMPLE_RATE)
