@@ -248,7 +248,7 @@ def backend(tmp_path_factory):
     _vllm_or_skip()
     from worker.cosyvoice2.vllm_backend import VllmLlmBackend, VllmOptions
 
-    b = VllmLlmBackend(FIXTURE, VllmOptions(max_model_len=512, max_num_seqs=8, export_cache_dir=str(tmp_path_factory.mktemp("vllm"))))
+    b = VllmLlmBackend(FIXTURE, VllmOptions(max_model_len=512, max_num_seqs=8, export_cache_dir=str(tmp_path_factory.mktemp("vllm")), dtype="float32"))
     yield b
     b.close()
 

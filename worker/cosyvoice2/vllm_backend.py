@@ -67,6 +67,7 @@ class VllmOptions:
     max_num_seqs: int = 64  # sequences decoded together
     kv_cache_bytes_cpu: int = 256 * 2**20  # KV cache size on CPU (vLLM's CPU default is GiBs)
     export_cache_dir: str | None = None  # where the vLLM folder goes (default: see vllm_export)
+    dtype: str | None = None  # "float32" / "bfloat16"; None: float32 on CPU, bfloat16 on GPU (parity checks ask float32)
 
 
 class _Job:
@@ -265,12 +266,13 @@ def _build_engine(folder: Path, options: VllmOptions) -> tuple[Any, torch.dtype]
     from worker.cosyvoice2.ras import RasLogitsProcessor, RasLogitsProcessorV2
 
     on_cpu = current_platform.is_cpu()
-    dtype = torch.float32 if on_cpu else torch.bfloat16
+    dtype_name = options.dtype or ("float32" if on_cpu else "bfloat16")
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype_name]
     kwargs: dict[str, Any] = dict(
         model=str(folder),
         skip_tokenizer_init=True,
         enable_prompt_embeds=True,
-        dtype="float32" if on_cpu else "bfloat16",
+        dtype=dtype_name,
         max_model_len=options.max_model_len,
         max_num_seqs=options.max_num_seqs,
         enforce_eager=on_cpu,
