@@ -62,6 +62,9 @@ class Settings(BaseSettings):
     vllm_max_model_len: int = Field(4096, ge=64)
     # Most segments the engine synthesizes in one batch.
     engine_max_batch: int = Field(64, ge=1)
+    # Run the flow estimator through torch.compile when the flow sits on a GPU: 1.12x on the flow,
+    # 165x vs 152x real time end to end on an H200 (BENCHMARKS.md), for ~2 min of compiling at warm-up.
+    flow_compile: bool = False
 
     # The double buffer: bounded queue between the engine and the upload threads.
     output_queue_size: int = Field(64, ge=1)

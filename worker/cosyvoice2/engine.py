@@ -211,6 +211,8 @@ class CosyVoice2Engine(Engine):
             # flow were bit-stable). Deterministic algorithms make a re-rendered segment identical.
             torch.backends.cudnn.deterministic = True
         flow = CausalFlow.from_model_dir(model_dir, device=p.flow_device, dtype=p.flow_dtype)
+        if settings is not None and settings.flow_compile and torch.device(p.flow_device).type == "cuda":
+            flow.decoder.compile_estimator()  # compiled by warmup(), before the first task
         hift = HiFTGenerator.from_model_dir(model_dir, device=p.hift_device, dtype=p.hift_dtype)
         log.info("cosyvoice2 engine: %s; llm=%s on %s, flow on %s, hift on %s", model_dir, llm.name, p.llm_device, p.flow_device, p.hift_device)
         return cls(tokenizer, llm, flow, hift, load_voice, dims.speech_token_size, max_batch=max_batch, flow_batch=flow_batch)
@@ -298,7 +300,10 @@ class CosyVoice2Engine(Engine):
         no task pays for it."""
         request = SynthesisRequest("warmup", WARMUP_TEXT, "", 0, SynthesisParams(max_tokens=50))
         voice = self.empty_voice()
-        for result in self._run([_Item(request, voice, self.llm_request(request, voice))]):
+        # A compiled flow estimator specialises batch 1: two requests compile the batched graph too.
+        n = 2 if self.flow.decoder.compiled_estimator is not None else 1
+        items = [_Item(request, voice, self.llm_request(request, voice)) for _ in range(n)]
+        for result in self._run(items):
             if result.error:
                 raise RuntimeError(f"cosyvoice2 warm-up failed: {result.error}")
         backend_warmup = getattr(self.llm, "warmup", None)
