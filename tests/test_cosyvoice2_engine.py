@@ -337,3 +337,15 @@ def test_compiled_flow_engine_on_gpu(tiny_model_dir, storage_dir):
         assert len(got.audio) > 0 and len(got.audio) % SAMPLES_PER_TOKEN == 0
         assert np.isfinite(got.audio).all() and float(np.abs(got.audio).max()) > 0
         assert np.array_equal(got.audio, again[r.segment_id].audio)
+
+
+def test_placement_dtypes_follow_settings():
+    """GPU defaults: bf16 LLM, fp16 flow, fp32 HiFT; `llm_dtype=float32` keeps the LLM batch-invariant
+    on a GPU; on a CPU everything is fp32 whatever is asked."""
+    from worker.cosyvoice2.engine import Placement
+
+    gpu = Placement.from_settings(Settings(llm_device="cuda:0"))
+    assert (gpu.llm_dtype, gpu.flow_dtype, gpu.hift_dtype) == (torch.bfloat16, torch.float16, torch.float32)
+    assert Placement.from_settings(Settings(llm_device="cuda:0", llm_dtype="float32")).llm_dtype == torch.float32
+    cpu = Placement.from_settings(Settings(llm_device="cpu", llm_dtype="bfloat16"))
+    assert (cpu.llm_dtype, cpu.flow_dtype, cpu.hift_dtype) == (torch.float32,) * 3

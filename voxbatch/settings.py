@@ -62,6 +62,10 @@ class Settings(BaseSettings):
     vllm_max_model_len: int = Field(4096, ge=64)
     # Most segments the engine synthesizes in one batch.
     engine_max_batch: int = Field(64, ge=1)
+    # LLM precision on a GPU ("auto": bf16). bf16 is batch-dependent: on an H200, RAS sampling gave 2
+    # of 4 segments other tokens in a batch than alone (fp32: 4 of 4 the same), so a segment re-rendered
+    # in another batch (retry) can come out different. "float32" makes re-renders identical everywhere.
+    llm_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     # Run the flow estimator through torch.compile when the flow sits on a GPU: 1.12x on the flow,
     # 165x vs 152x real time end to end on an H200 (BENCHMARKS.md), for ~2 min of compiling at warm-up.
     flow_compile: bool = False

@@ -68,7 +68,8 @@ class Placement:
         def pick(device: str, gpu_dtype: torch.dtype) -> torch.dtype:
             return gpu_dtype if torch.device(device).type == "cuda" else torch.float32
 
-        return cls(llm, flow, hift, pick(llm, torch.bfloat16), pick(flow, torch.float16), torch.float32)
+        llm_gpu_dtype = torch.float32 if settings.llm_dtype == "float32" else torch.bfloat16
+        return cls(llm, flow, hift, pick(llm, llm_gpu_dtype), pick(flow, torch.float16), torch.float32)
 
 
 @dataclass(frozen=True, eq=False)

@@ -110,6 +110,7 @@ class VllmLlmBackend(LlmBackend):
             gpu_memory_utilization=settings.vllm_gpu_memory_utilization,
             max_model_len=settings.vllm_max_model_len,
             max_num_seqs=settings.engine_max_batch,
+            dtype=None if getattr(settings, "llm_dtype", "auto") == "auto" else settings.llm_dtype,
         )
         return cls(settings.model_dir, options)
 
