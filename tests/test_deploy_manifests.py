@@ -401,7 +401,7 @@ def test_keda_value_location_resolves_against_the_real_exporter(redis_server):
         assert value == 1234
         replicas = math.ceil(value / float(
             k8s_doc("ScaledObject", "voxbatch-worker")["spec"]["triggers"][0]["metadata"]["targetValue"]))
-        assert replicas == math.ceil(1234 / 512)
+        assert replicas == math.ceil(1234 / 4096)
     finally:
         proc.terminate()
         proc.wait(10)

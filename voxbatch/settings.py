@@ -60,8 +60,12 @@ class Settings(BaseSettings):
     # vLLM's max_model_len: prompt + speech tokens one request may hold; the engine caps a segment's
     # max_tokens (20 x its text tokens) to fit, as it does for the torch backend's KV cache.
     vllm_max_model_len: int = Field(4096, ge=64)
-    # Most segments the engine synthesizes in one batch.
+    # Most segments the engine synthesizes in one batch (the torch backend's KV-cache rows). A GPU
+    # fills at ~256 (H200: 31.8k speech tokens/s at 256 rows, 10.8k at 64); the worker only sees
+    # VOXBATCH_TASK_CONCURRENCY x VOXBATCH_BATCH_SIZE segments at once, so raise those with it.
     engine_max_batch: int = Field(64, ge=1)
+    # Most rows in one flow + HiFT batch (length-bucketed). H200: 241x real time at 64, 177x at 16.
+    engine_flow_batch: int = Field(64, ge=1)
     # LLM precision on a GPU ("auto": bf16). bf16 is batch-dependent: on an H200, RAS sampling gave 2
     # of 4 segments other tokens in a batch than alone (fp32: 4 of 4 the same), so a segment re-rendered
     # in another batch (retry) can come out different. "float32" makes re-renders identical everywhere.

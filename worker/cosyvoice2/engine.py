@@ -176,6 +176,7 @@ class CosyVoice2Engine(Engine):
             placement=Placement.from_settings(settings),
             llm_backend=settings.llm_backend,
             max_batch=settings.engine_max_batch,
+            flow_batch=settings.engine_flow_batch,
             settings=settings.model_copy(update={"model_dir": str(model_dir)}),
         )
 
