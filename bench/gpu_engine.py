@@ -229,6 +229,9 @@ class Renderer:
         return out
 
 
+# An 8-second transcript for the voice prompt (21 words at 2.6 words/s), for the worker engine's zero-shot input.
+PROMPT_TRANSCRIPT = "The morning light fell across the quiet harbor as the fishing boats returned with their nets full and the gulls circling."
+
 # -- the engine the worker pipeline drives -----------------------------------------------------------------
 
 
@@ -390,10 +393,14 @@ class GpuUtilisation:
                 for gpu, v in samples.items()}
 
 
-def run_pipeline(engines: list[BenchEngine], corpus: list[Segment], out_dir: Path, queue_size: int,
-                 upload_threads: int, fmt: str, timeout_s: float = 300.0) -> dict:
+def run_pipeline(engines: list[Engine], corpus: list[Segment], out_dir: Path, queue_size: int,
+                 upload_threads: int, fmt: str, timeout_s: float = 300.0, forced_lengths: bool = False) -> dict:
     """The worker's real path (worker/pipeline.py) with a local folder for storage; one pipeline per engine
-    (per-gpu placement), segments dealt round-robin. Wall time from start until every segment is stored."""
+    (per-gpu placement), segments dealt round-robin. Wall time from start until every segment is stored.
+
+    `forced_lengths`: one task per segment whose max_tokens is the segment's planned speech tokens, for
+    an engine that reads the length from the request (the worker's CosyVoice2Engine; random weights
+    never stop). BenchEngine forces the lengths itself, in tasks of 16."""
     from voxbatch import keys
     from voxbatch.jobstate import MemoryJobStore
     from voxbatch.models import RenderTask, SynthesisParams, TaskSegment, segment_id
@@ -413,13 +420,15 @@ def run_pipeline(engines: list[BenchEngine], corpus: list[Segment], out_dir: Pat
     for e_i, engine in enumerate(engines):
         mine = segs[e_i :: len(engines)]
         pipe = Pipeline(engine, storage, jobs, settings, on_job_complete=lambda _j: None, metrics=metrics)
-        for k in range(0, len(mine), 16):
-            task = RenderTask(job_id=job, voice="bench", format=fmt, params=SynthesisParams(), segments=mine[k : k + 16])
+        per_task = 1 if forced_lengths else 16
+        for k in range(0, len(mine), per_task):
+            params = SynthesisParams(max_tokens=corpus[e_i + k * len(engines)].speech_tokens) if forced_lengths else SynthesisParams()
+            task = RenderTask(job_id=job, voice="bench", format=fmt, params=params, segments=mine[k : k + per_task])
             handles.append(pipe.submit(task))  # fills the intake before the engine starts
         pipes.append(pipe)
     for e in engines:
-        e.times.clear()
-        e.renderer.times.clear()
+        for times in _stage_times(e):
+            times.clear()
     with GpuUtilisation() as util:
         t0 = time.perf_counter()
         for p in pipes:
@@ -437,10 +446,9 @@ def run_pipeline(engines: list[BenchEngine], corpus: list[Segment], out_dir: Pat
     status = jobs.status(job)
     stage = defaultdict(float)
     for e in engines:
-        for k, v in e.times.items():
-            stage[k] += v
-        for k, v in e.renderer.times.items():
-            stage[k] += v
+        for times in _stage_times(e):
+            for k, v in times.items():
+                stage[k] += v
     return {
         "segments": len(corpus),
         "audio_s": round(audio_s, 1),
@@ -456,6 +464,13 @@ def run_pipeline(engines: list[BenchEngine], corpus: list[Segment], out_dir: Pat
         "job_state": getattr(status, "state", None),
         "gpu_utilisation": util.summary(),
     }
+
+
+def _stage_times(engine: Engine) -> list[dict[str, float]]:
+    """Per-stage timers a bench engine keeps (the worker's CosyVoice2Engine keeps none)."""
+    if isinstance(engine, BenchEngine):
+        return [engine.times, engine.renderer.times]
+    return []
 
 
 # -- stages ---------------------------------------------------------------------------------------------------
@@ -817,6 +832,47 @@ class Bench:
                          + ([("double_buffer_on_sequential_flow_compiled", 64, a.upload_threads, False, True)]
                             if self.compiled_flow_fn is not None else []))
 
+    def e2e_engine_stage(self) -> dict:
+        """The worker's own CosyVoice2Engine (worker/cosyvoice2/engine.py: tokenizer, LLM request
+        composition, its scheduler and flow buckets, voice preparation) on the benchmark's modules,
+        through the same pipeline: what `voxbatch worker` does on this GPU, against BenchEngine's
+        longest-first scheduling above. Each segment is one task with max_tokens = its planned speech
+        tokens (random weights never stop); the intake holds `--e2e-intake` segments, as a worker
+        holds task_concurrency x batch_size."""
+        from voxbatch.voice import VoiceProfile
+        from worker.cosyvoice2.engine import CosyVoice2Engine
+        from worker.cosyvoice2.tokenizer import CosyVoice2Tokenizer
+
+        a = self.args
+        tokenizer = CosyVoice2Tokenizer.from_model_dir(self.model_dir)
+        profile = VoiceProfile(
+            name="bench", prompt_text=PROMPT_TRANSCRIPT, prompt_speech_tokens=np.array(self.prompt.speech_tokens),
+            speaker_embedding=self.prompt.embedding.numpy(), prompt_mel=self.prompt.mel.numpy(),
+        )
+        runs = {}
+        for rows in sorted({a.e2e_rows, 64}, reverse=True):
+            backend = TorchLlmBackend(self.llm, rows, self.max_seq)
+            engine = CosyVoice2Engine(tokenizer, backend, self.flow, self.hift, lambda _name: profile,
+                                      self.speech_vocab, max_batch=rows, flow_batch=a.e2e_flow_batch)
+            try:
+                engine.warmup()
+                run_pipeline([engine], self.corpus[:8], self.tmp / f"warm-engine-{rows}", 64, 4, a.format, forced_lengths=True)
+                for label, compiled in [("eager_flow", False)] + ([("compiled_flow", True)] if self.compiled_flow_fn else []):
+                    self.flow.decoder.compiled_estimator = self.compiled_flow_fn if compiled else None
+                    reset_peak(sorted({self.llm_dev, self.flow_dev}))
+                    r = run_pipeline([engine], self.corpus, self.tmp / f"out-engine-{rows}-{label}", 64, a.upload_threads,
+                                     a.format, forced_lengths=True)
+                    r.update(llm_rows=rows, engine_max_batch=rows, flow_batch=a.e2e_flow_batch, flow_compiled=compiled,
+                             output_queue_size=64, upload_threads=a.upload_threads, peak_gpu_gib=peak_gib(sorted({self.llm_dev, self.flow_dev})))
+                    runs[f"worker_engine_rows{rows}_{label}"] = r
+                    print(f"  e2e worker engine rows={rows} {label}: {r['x_realtime']:.1f}x realtime (RTF {r['rtf']}), "
+                          f"wall {r['wall_s']}s, stored {r['stored']}, failed {r['failed']}", flush=True)
+            finally:
+                self.flow.decoder.compiled_estimator = None
+                backend.close()
+        return {"runs": runs, "note": "worker/cosyvoice2/engine.py CosyVoice2Engine, torch LLM backend (CUDA graphs), "
+                                      "one task per segment, intake = LLM rows"}
+
     def e2e_split_stage(self) -> dict:
         """Issue 7's split placement: LLM on the first GPU, flow + HiFT on the second. With one GPU both sit
         on it, which checks the code path only (no speed claim)."""
@@ -1047,7 +1103,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--placement", choices=["single", "split", "per-gpu"], default="single")
-    ap.add_argument("--stages", nargs="+", default=["accuracy", "llm", "flow_hift", "e2e", "e2e_split", "baseline", "profile", "vllm"])
+    ap.add_argument("--stages", nargs="+", default=["accuracy", "llm", "flow_hift", "e2e", "e2e_engine", "e2e_split", "baseline", "profile", "vllm"])
     ap.add_argument("--segments", type=int, default=500)
     ap.add_argument("--max-s", type=float, default=15.0, help="longest segment, seconds of audio")
     ap.add_argument("--llm-batches", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256])
@@ -1093,6 +1149,7 @@ def main() -> None:
     bench.stage("llm", bench.llm_stage)
     bench.stage("flow_hift", bench.flow_hift_stage)
     bench.stage("e2e", bench.e2e_stage)
+    bench.stage("e2e_engine", bench.e2e_engine_stage)
     bench.stage("e2e_split", bench.e2e_split_stage)
     bench.stage("per_gpu", bench.per_gpu_stage)
     bench.stage("baseline", bench.baseline_stage)

@@ -59,6 +59,11 @@ def write_model_dir(root: Path, tiny: bool = False, fixture_yaml: Path | None = 
                 torch_dtype="bfloat16", bos_token_id=151643, eos_token_id=151643, use_sliding_window=False)
     (root / QWEN_DIR).mkdir(exist_ok=True)
     (root / QWEN_DIR / "config.json").write_text(json.dumps(qwen, indent=2))
+    # A small byte-level BPE with Qwen2's pre-tokenizer (make-tiny's), so the worker's own
+    # CosyVoice2Engine can tokenize text here (stage e2e_engine); its ids fit either vocab.
+    from worker.cosyvoice2.tiny import TinyDims, write_tokenizer
+
+    write_tokenizer(root / QWEN_DIR, TinyDims())
     return root
 
 

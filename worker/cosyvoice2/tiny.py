@@ -295,7 +295,7 @@ def _hift_state(config: dict, gen: torch.Generator) -> dict[str, torch.Tensor]:
 # -- tokenizer -----------------------------------------------------------------------------------
 
 
-def _write_tokenizer(folder: Path, d: TinyDims) -> int:
+def write_tokenizer(folder: Path, d: TinyDims) -> int:
     """Train the byte-level BPE (Qwen2's pipeline) and write the HF folder files; returns the vocab size."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
@@ -457,7 +457,7 @@ def make_tiny(out_dir: str | Path, seed: int = 0, dims: TinyDims | None = None, 
     out.mkdir(parents=True, exist_ok=True)
     (out / "cosyvoice2.yaml").write_text(YAML_TEMPLATE.format(d=d, seed=seed), encoding="utf-8")
     folder = out / TOKENIZER_DIR
-    base_vocab = _write_tokenizer(folder, d)
+    base_vocab = write_tokenizer(folder, d)
     _write_json(folder / "config.json", _qwen_config(d, base_vocab))
     _write_json(folder / "generation_config.json", {"bos_token_id": base_vocab, "eos_token_id": base_vocab, "max_new_tokens": 2048})
 
