@@ -1067,6 +1067,7 @@ def table(results: dict) -> str:
                          f"rel L2 {comp['mel_rel_l2_vs_eager']:.2e}")
         lines.append("")
     e2e = dict(st.get("e2e", {}).get("runs", {}))
+    e2e.update(st.get("e2e_engine", {}).get("runs", {}))
     e2e.update(st.get("e2e_split", {}).get("runs", {}))
     e2e.update(st.get("per_gpu", {}).get("runs", {}))
     base = st.get("baseline")

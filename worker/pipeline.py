@@ -24,7 +24,6 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from celery.exceptions import Reject
 
 from voxbatch.audio import content_type, encode, probe
 from voxbatch.jobstate import JobStore
@@ -78,13 +77,14 @@ class TaskHandle:
         return done
 
 
-class TaskAbandoned(Reject):
-    """A task released unfinished at shutdown. A Celery `Reject(requeue=True)`, so the render task
-    that waited hands its message straight back to the queue: neither acked (its segments would be
-    lost) nor left unacked (it would idle until the visibility timeout)."""
+class TaskAbandoned(Exception):
+    """A task released unfinished at shutdown. The Celery task turns it into `Reject(requeue=True)`
+    (worker/tasks.py), so its message goes straight back to the queue: neither acked (its segments
+    would be lost) nor left unacked (it would idle until the visibility timeout). The pipeline itself
+    knows nothing of Celery: the GPU benchmark and `voxbatch render` drive it without a broker."""
 
     def __init__(self, task: RenderTask):
-        super().__init__(f"job {task.job_id}: worker shutting down with segments unfinished", requeue=True)
+        super().__init__(f"job {task.job_id}: worker shutting down with segments unfinished")
 
 
 @dataclass(frozen=True)

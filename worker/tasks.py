@@ -6,9 +6,11 @@ worker that dies mid-task leaves the message to be redelivered; the redelivery s
 
 from __future__ import annotations
 
+from celery.exceptions import Reject
+
 from voxbatch.celery_app import RENDER_TASK, app
 from voxbatch.models import RenderTask
-from worker.pipeline import Pipeline
+from worker.pipeline import Pipeline, TaskAbandoned
 
 _pipeline: Pipeline | None = None
 
@@ -24,5 +26,8 @@ def render(payload: dict) -> dict:
     if _pipeline is None:
         raise RuntimeError("render task received before the worker's pipeline was installed")
     task = RenderTask.model_validate(payload)
-    _pipeline.submit(task).wait()
+    try:
+        _pipeline.submit(task).wait()
+    except TaskAbandoned as e:
+        raise Reject(str(e), requeue=True) from e
     return {"job": task.job_id, "segments": len(task.segments)}
