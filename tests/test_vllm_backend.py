@@ -420,3 +420,18 @@ def test_engine_samples_the_ras_distribution(backend, ref):
     tv = 0.5 * np.abs(counts / n - P).sum()
     assert tv < 0.08, tv
     assert set(np.flatnonzero(counts)) <= set(np.flatnonzero(P > 0))  # nothing outside the nucleus
+
+
+def test_long_seeded_prompts_that_overflow_one_step(backend, ref):
+    """More prompt positions than one engine step takes (8 x ~400 > 2048): vLLM schedules them over
+    several steps. With chunked prefill a seeded prompt split across steps failed the whole batch on
+    CPU ("CPU Generator does not use offset"); now every request returns, and as it does alone."""
+    text = [int(t) for t in np.concatenate([ref["llm_prompt_text_token"], ref["llm_text_token"]])]
+    speech = [int(t) for t in ref["llm_prompt_speech_token"]]
+    reqs = [LlmRequest((text * 8)[: 90 + i], (speech * 8)[:300], min_tokens=5, max_tokens=20, seed=500 + i, greedy=False)
+            for i in range(8)]
+    assert sum(len(r.text_tokens) + len(r.prompt_speech_tokens) + 2 for r in reqs) > 2048
+    batched = {r.index: r.tokens for r in backend.generate(reqs)}
+    assert sorted(batched) == list(range(8)) and all(len(t) >= 5 for t in batched.values())
+    single = {i: next(iter(backend.generate([r]))).tokens for i, r in enumerate(reqs)}
+    assert batched == single

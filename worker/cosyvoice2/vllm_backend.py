@@ -284,6 +284,11 @@ def _build_engine(folder: Path, options: VllmOptions) -> tuple[Any, torch.dtype]
     )
     if on_cpu:
         kwargs["kv_cache_memory_bytes"] = options.kv_cache_bytes_cpu
+        # A prompt split over two steps (chunked prefill) makes vLLM's CPU sampler advance a seeded
+        # request's generator by offset, which the CPU generator refuses ("CPU Generator does not use
+        # offset"): a batch of long seeded prompts failed whole. Whole prompts only, on CPU.
+        kwargs["enable_chunked_prefill"] = False
+        kwargs["max_num_batched_tokens"] = max(options.max_model_len, 2048)
     else:
         kwargs["gpu_memory_utilization"] = options.gpu_memory_utilization
     vllm_config = EngineArgs(**kwargs).create_engine_config()
