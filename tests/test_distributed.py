@@ -282,7 +282,7 @@ def test_failing_segment_is_retried_then_recorded_and_retry_reenqueues_only_it(c
     cluster.start("assembler")
     job_id = cluster.submit(book)
     status = cluster.wait_finished(job_id)
-    assert status.state == "completed_with_errors" and status.failed == 1 and status.done == status.total - 1
+    assert status.state == "completed_with_errors" and status.failed == 1 and status.done == status.total - 1, (status.errors, launcher.tail(4000))
     (bad_id, error), = status.errors.items()
     assert "asks the tone engine to fail" in error
     assert cluster.jobs.r.hget(f"vb:job:{{{job_id}}}:attempts", bad_id) == "3"
@@ -300,14 +300,16 @@ def test_segment_that_crashes_its_worker_is_given_up_after_max_attempts(cluster,
     broker redelivers the task (visibility timeout), and the Redis attempt counter ends the loop:
     after max_attempts crashes the segment is recorded failed and the rest of the job completes.
 
-    One segment per task and one task at a time, so each crash takes down only the poison segment
-    (co-batched segments would lose an attempt to every crash too)."""
+    Segments travel four to a task and render four to an engine batch, so the first crash takes the
+    poison segment's three batch-mates down too. Their next attempt, like the poison one's, renders alone (an attempt
+    that left no error died with its worker), and an attempt counts only once the engine takes the
+    segment: later crashes cost the batch-mates nothing, and none of them is given up."""
     max_attempts = 2
     book = tmp_path / "book.md"
     book.write_text(f"# One\n\nA fine sentence here.\n\n# Two\n\nThis one crashes {CRASH_MARKER} the worker.\n\n"
                     "# Three\n\nAnd this one is fine again.\n\n# Four\n\nThe last one is fine too.\n",
                     encoding="utf-8")
-    cluster.env.update(VOXBATCH_BATCH_SIZE="1", VOXBATCH_TASK_CONCURRENCY="1", VOXBATCH_VISIBILITY_TIMEOUT_S="10",
+    cluster.env.update(VOXBATCH_BATCH_SIZE="4", VOXBATCH_TASK_CONCURRENCY="1", VOXBATCH_VISIBILITY_TIMEOUT_S="10",
                        VOXBATCH_MAX_ATTEMPTS=str(max_attempts))
     launcher = cluster.start("worker")
     cluster.start("assembler")
@@ -315,10 +317,14 @@ def test_segment_that_crashes_its_worker_is_given_up_after_max_attempts(cluster,
     spec = cluster.spec(job_id)
     bad = next(s for s in spec.segments if CRASH_MARKER in s.text)
     status = cluster.wait_finished(job_id, timeout_s=120)
-    assert status.state == "completed_with_errors" and status.failed == 1 and status.done == status.total - 1
+    assert status.state == "completed_with_errors" and status.failed == 1 and status.done == status.total - 1, (status.errors, launcher.tail(4000))
     assert list(status.errors) == [bad.id]
     assert f"gave up after {max_attempts} attempts: worker lost while rendering" in status.errors[bad.id]
-    assert cluster.attempts(job_id)[bad.id] == max_attempts
+    attempts = cluster.attempts(job_id)
+    assert attempts[bad.id] == max_attempts
+    assert all(attempts[s.id] <= max_attempts for s in spec.segments)
+    task_of_bad = [s for s in spec.segments][spec.segments.index(bad) // 4 * 4:][:4]
+    assert len(task_of_bad) == 4 and bad in task_of_bad  # three innocents shared the crashing batch
     manifest = cluster.manifest(job_id)
     assert manifest.state == "completed_with_errors" and bad.id in manifest.failed
     stored = set(cluster.storage.list(f"jobs/{job_id}/segments/"))

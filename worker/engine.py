@@ -31,6 +31,7 @@ class SynthesisRequest:
     seed: int
     params: SynthesisParams = field(default_factory=SynthesisParams)
     tag: object = None
+    solo: bool = False  # render in a batch of its own (a suspect: its last attempt died with its worker)
 
 
 @dataclass(frozen=True)
@@ -55,21 +56,28 @@ class Engine(ABC):
         """Synthesize a batch; yield each result as soon as it is ready (any order)."""
 
     def serve(self, intake: "queue.Queue[SynthesisRequest | None]", emit: Callable[[SynthesisResult], None],
-              stop: threading.Event, observe: Callable[[int, float, float], None] | None = None) -> None:
+              stop: threading.Event, observe: Callable[[int, float, float], None] | None = None,
+              admit: Callable[[list[SynthesisRequest]], list[SynthesisRequest]] | None = None) -> None:
         """Drain `intake` in batches of up to `max_batch` until `stop` is set or None arrives.
 
-        A failing batch is retried one request at a time, so one bad segment fails alone.
-        `observe(batch_size, audio_s, wall_s)` is told about every batch (metrics).
+        A `solo` request gets a batch of its own. `admit(batch)` is called as a batch starts and
+        returns what to render now (the pipeline counts attempts there: only a segment that reaches the
+        engine spends one). A failing batch is retried one request at a time, so one bad segment fails
+        alone. `observe(batch_size, audio_s, wall_s)` is told about every batch (metrics).
         """
+        held: list[SynthesisRequest] = []  # solo requests met while filling a batch
         while not stop.is_set():
-            try:
-                first = intake.get(timeout=0.1)
-            except queue.Empty:
-                continue
+            if held:
+                first = held.pop(0)
+            else:
+                try:
+                    first = intake.get(timeout=0.1)
+                except queue.Empty:
+                    continue
             if first is None:
                 return
             batch = [first]
-            while len(batch) < self.max_batch:
+            while not first.solo and len(batch) < self.max_batch:
                 try:
                     nxt = intake.get_nowait()
                 except queue.Empty:
@@ -77,7 +85,14 @@ class Engine(ABC):
                 if nxt is None:
                     intake.put(None)
                     break
-                batch.append(nxt)
+                if nxt.solo:
+                    held.append(nxt)
+                else:
+                    batch.append(nxt)
+            if admit is not None:
+                batch = admit(batch)
+                if not batch:
+                    continue
             t0 = time.perf_counter()
             audio_s = 0.0
 

@@ -22,7 +22,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 from voxbatch.audio import content_type, encode, probe
@@ -91,7 +91,7 @@ class TaskAbandoned(Exception):
 class _Tag:
     handle: TaskHandle
     segment: TaskSegment
-    attempt: int
+    attempt: int = 0  # set when the engine takes the segment (`_admit`); 0 while it waits in the intake
 
 
 class Pipeline:
@@ -109,6 +109,8 @@ class Pipeline:
         self._handles_lock = threading.Lock()
         self._abandoned = threading.Event()
         self.engine_waited_s = 0.0  # time the engine spent blocked on a full output queue
+        self._unstored = 0  # results emitted by the engine and not yet stored or failed
+        self._unstored_cv = threading.Condition()
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> "Pipeline":
@@ -116,7 +118,7 @@ class Pipeline:
         if self.metrics is not None:
             observe = self.metrics.batch_done
             self.metrics.track_queues(self.intake, self.output)
-        t = threading.Thread(target=self.engine.serve, args=(self.intake, self._emit, self._stop, observe),
+        t = threading.Thread(target=self.engine.serve, args=(self.intake, self._emit, self._stop, observe, self._admit),
                              name="engine", daemon=True)
         self._threads.append(t)
         for i in range(self.settings.upload_threads):
@@ -140,16 +142,15 @@ class Pipeline:
     def abandon(self) -> int:
         """Release every task still waiting, marked abandoned; returns how many were released.
 
-        Called when the shutdown window ends. Segments still in the intake never reached the engine:
-        they are taken out and their attempt un-counted. Whatever the engine is rendering now may
-        still be stored; the redelivered task then finds it stored and skips it.
+        Called when the shutdown window ends. Segments still in the intake never reached the engine,
+        so they spent no attempt (attempts are counted as the engine takes a batch): they are taken
+        out. Whatever the engine is rendering now may still be stored; the redelivered task then finds
+        it stored and skips it.
         """
         self._abandoned.set()
         for timer in list(self._timers):
             timer.cancel()
-        for req in self._drain_intake():
-            tag: _Tag = req.tag
-            self.jobs.forget_attempt(tag.handle.task.job_id, tag.segment.id)
+        self._drain_intake()
         with self._handles_lock:
             handles = list(self._handles)
         for handle in handles:
@@ -210,19 +211,43 @@ class Pipeline:
         if self._abandoned.is_set():
             handle.abandon()  # shutting down: not worth starting, the redelivery renders it
             return
-        attempt = self.jobs.begin_attempt(task.job_id, seg.id)
-        if attempt > self.settings.max_attempts:
-            # A poison segment (or one whose workers kept dying): give up instead of looping. This
-            # attempt is refused, not made, so the counter stays at max_attempts.
-            self.jobs.forget_attempt(task.job_id, seg.id)
-            error = self.jobs.last_error(task.job_id, seg.id) or "worker lost while rendering"
-            self._record(task.job_id, seg.id, error=f"gave up after {attempt - 1} attempts: {error}")
-            handle.segment_finished()
-            return
-        self.intake.put(SynthesisRequest(seg.id, seg.text, task.voice, seg.seed, task.params,
-                                         tag=_Tag(handle, seg, attempt)))
+        self.intake.put(SynthesisRequest(seg.id, seg.text, task.voice, seg.seed, task.params, tag=_Tag(handle, seg)))
+
+    def _admit(self, batch: list[SynthesisRequest]) -> list[SynthesisRequest]:
+        """Count an attempt for each segment the engine is about to render (engine thread).
+
+        Counting here, not at intake, means a worker crash charges only the batch being rendered.
+        A segment over max_attempts is given up (a poison segment cannot loop). A segment whose
+        earlier attempt left no error died with its worker (a suspect): in a batch with others it
+        is put back, uncounted, to come alone; alone, it waits until everything rendered before it
+        is stored. So a poison segment's next crash takes no batch-mate and no finished audio with it.
+        """
+        admitted = []
+        for req in batch:
+            tag: _Tag = req.tag
+            task, seg = tag.handle.task, tag.segment
+            attempt = self.jobs.begin_attempt(task.job_id, seg.id)
+            if attempt > self.settings.max_attempts:
+                # The attempt is refused, not made, so the counter stays at max_attempts.
+                self.jobs.forget_attempt(task.job_id, seg.id)
+                error = self.jobs.last_error(task.job_id, seg.id) or "worker lost while rendering"
+                self._record(task.job_id, seg.id, error=f"gave up after {attempt - 1} attempts: {error}")
+                tag.handle.segment_finished()
+            elif attempt > 1 and self.jobs.last_error(task.job_id, seg.id) is None:  # died with its worker
+                if len(batch) > 1:
+                    self.jobs.forget_attempt(task.job_id, seg.id)
+                    log.info("segment %s/%s: its worker died while rendering it; rendering it alone", task.job_id, seg.id)
+                    self.intake.put(replace(req, solo=True))
+                    continue
+                self._wait_until_stored()
+                admitted.append(replace(req, tag=replace(tag, attempt=attempt)))
+            else:
+                admitted.append(replace(req, tag=replace(tag, attempt=attempt)))
+        return admitted
 
     def _emit(self, result: SynthesisResult) -> None:
+        with self._unstored_cv:
+            self._unstored += 1
         try:
             self.output.put_nowait(result)
         except queue.Full:
@@ -243,6 +268,16 @@ class Pipeline:
                 self._store(tag, result)
             except Exception as e:  # noqa: BLE001 - every failure goes through the one retry path
                 self._failed_attempt(tag, f"{type(e).__name__}: {e}" if result.error is None else result.error)
+            finally:
+                with self._unstored_cv:
+                    self._unstored -= 1
+                    self._unstored_cv.notify_all()
+
+    def _wait_until_stored(self, timeout_s: float = 120.0) -> None:
+        """Block the engine until every result it emitted is stored (or failed): before a suspect
+        renders, so that if it kills the process it takes nothing already rendered with it."""
+        with self._unstored_cv:
+            self._unstored_cv.wait_for(lambda: self._unstored == 0 or self._stop.is_set(), timeout=timeout_s)
 
     def _store(self, tag: _Tag, result: SynthesisResult) -> None:
         task, seg = tag.handle.task, tag.segment
