@@ -179,3 +179,14 @@ def test_unknown_job_is_refused_by_every_script(jobs):
     assert jobs.finish("no-such-job", "s0") == -1
     assert jobs.cancel("no-such-job") == -1
     assert jobs.reopen("no-such-job", ["s0"]) == -1
+
+
+def test_begin_attempts_counts_each_pair_in_one_round_trip(jobs):
+    """The engine thread counts a whole batch's attempts in one pipelined round trip."""
+    a, b = f"ja-{uuid.uuid4().hex[:8]}", f"jb-{uuid.uuid4().hex[:8]}"
+    jobs.create(a, "a", "tone", "wav", 2, 0.0)
+    jobs.create(b, "b", "tone", "wav", 1, 0.0)
+    assert jobs.begin_attempts([(a, "s1"), (a, "s2"), (b, "s1")]) == [1, 1, 1]
+    assert jobs.begin_attempts([(a, "s1"), (b, "s1")]) == [2, 2]
+    assert jobs.begin_attempts([]) == []
+    assert jobs.begin_attempt(a, "s2") == 2

@@ -113,6 +113,10 @@ class JobStore(ABC):
     def begin_attempt(self, job_id: str, seg_id: str) -> int:
         """Count one more attempt at a segment; returns the attempts so far, this one included."""
 
+    def begin_attempts(self, segments: list[tuple[str, str]]) -> list[int]:
+        """`begin_attempt` for many (job, segment) pairs at once: one engine batch, one round trip."""
+        return [self.begin_attempt(job_id, seg_id) for job_id, seg_id in segments]
+
     @abstractmethod
     def forget_attempt(self, job_id: str, seg_id: str) -> None:
         """Un-count an attempt that never reached the engine (its task was handed back, or refused)."""
@@ -167,6 +171,12 @@ class RedisJobStore(JobStore):
 
     def begin_attempt(self, job_id: str, seg_id: str) -> int:
         return int(self.r.hincrby(self._k(job_id, "attempts"), seg_id, 1))
+
+    def begin_attempts(self, segments: list[tuple[str, str]]) -> list[int]:
+        with self.r.pipeline(transaction=False) as p:
+            for job_id, seg_id in segments:
+                p.hincrby(self._k(job_id, "attempts"), seg_id, 1)
+            return [int(n) for n in p.execute()]
 
     def forget_attempt(self, job_id: str, seg_id: str) -> None:
         self.r.hincrby(self._k(job_id, "attempts"), seg_id, -1)

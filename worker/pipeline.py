@@ -223,10 +223,10 @@ class Pipeline:
         is stored. So a poison segment's next crash takes no batch-mate and no finished audio with it.
         """
         admitted = []
-        for req in batch:
+        attempts = self.jobs.begin_attempts([(r.tag.handle.task.job_id, r.tag.segment.id) for r in batch])
+        for req, attempt in zip(batch, attempts):
             tag: _Tag = req.tag
             task, seg = tag.handle.task, tag.segment
-            attempt = self.jobs.begin_attempt(task.job_id, seg.id)
             if attempt > self.settings.max_attempts:
                 # The attempt is refused, not made, so the counter stays at max_attempts.
                 self.jobs.forget_attempt(task.job_id, seg.id)
