@@ -75,3 +75,11 @@ def test_s3_errors_never_show_the_secret(seaweed):
         store.put("k", b"x")
     assert services.S3_SECRET not in str(info.value) and "wrong-" not in str(info.value)
     assert services.S3_SECRET not in repr(settings)
+
+
+def test_broker_password_is_not_in_settings_repr():
+    """The broker URL can carry the Redis password (compose and k8s pass one): repr/str of the
+    settings, which end up in logs and tracebacks, must not show it."""
+    settings = Settings(broker_url="redis://:s3cr3t-pw@redis:6379/0")
+    assert settings.broker_url.endswith("@redis:6379/0")
+    assert "s3cr3t-pw" not in repr(settings) and "s3cr3t-pw" not in str(settings)

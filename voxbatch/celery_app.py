@@ -25,17 +25,15 @@ from voxbatch.settings import Settings
 RENDER_TASK = "voxbatch.render"
 ASSEMBLE_TASK = "voxbatch.assemble"
 
-# How long a render worker told to stop (SIGTERM) keeps working on its in-flight tasks before it
-# hands the unfinished ones back to the queue. Kubernetes' and compose's grace periods are longer.
-SHUTDOWN_WINDOW_S = 60.0
-
 app = Celery("voxbatch", set_as_current=False)
 
 
 def shutdown_window_s(settings: Settings) -> float:
-    """`SHUTDOWN_WINDOW_S`, but never longer than the visibility timeout: a task running that long
+    """How long a render worker told to stop (SIGTERM) keeps working on its in-flight tasks before it
+    hands the unfinished ones back (`settings.shutdown_window_s`; Kubernetes' and compose's grace
+    periods are longer), but never longer than the visibility timeout: a task running that long
     has already been restored to the queue for another worker, so waiting on it only doubles work."""
-    return min(SHUTDOWN_WINDOW_S, float(settings.visibility_timeout_s))
+    return min(settings.shutdown_window_s, float(settings.visibility_timeout_s))
 
 
 def configure_celery(settings: Settings) -> Celery:

@@ -21,7 +21,8 @@ class Settings(BaseSettings):
     )
 
     # Redis URL used both as the Celery broker and for job state (db 0 unless the URL says otherwise).
-    broker_url: str = "redis://127.0.0.1:6379/0"
+    # May carry a password (redis://:PASSWORD@host): kept out of repr(settings) and so out of logs.
+    broker_url: str = Field("redis://127.0.0.1:6379/0", repr=False)
     # Where job specs, voices and audio live: s3://bucket/prefix or file:///abs/path (the embedded default).
     storage_url: str = "file://./voxbatch-data"
     # S3 endpoint for S3-compatible stores (SeaweedFS, MinIO, R2); None means AWS itself.
@@ -85,6 +86,9 @@ class Settings(BaseSettings):
     retry_backoff_ms: int = Field(500, ge=0)
     retry_backoff_max_ms: int = Field(30_000, ge=0)
 
+    # On SIGTERM a worker finishes in-flight segments for this long (capped at the visibility
+    # timeout), then hands unfinished tasks back to the queue and exits.
+    shutdown_window_s: float = Field(60.0, ge=0.0)
     # Broker visibility timeout: must exceed the longest task, or a healthy task runs twice.
     visibility_timeout_s: int = Field(3600, ge=10)
     # How often kombu restores unacked messages of dead workers (its default is ~100 s).
