@@ -142,15 +142,20 @@ def _pad(rows: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(out), torch.tensor(lens)
 
 
-@pytest.mark.parametrize(("streaming", "finalize"), [(False, True), (True, False)])
-def test_batched_equals_single(flow: CausalFlow, ref: dict, streaming: bool, finalize: bool) -> None:
-    """3 padded segments in one call give each segment's single-call mel within 1e-5."""
-    segs = _segments(ref)
+def _batched(flow: CausalFlow, segs: list[tuple[np.ndarray, ...]], **kw) -> list[torch.Tensor]:
+    """All segments in one padded `inference` call."""
     toks, tok_lens = _pad([s[0] for s in segs])
     ptoks, p_lens = _pad([s[1] for s in segs])
     feats, f_lens = _pad([s[2] for s in segs])
     emb = torch.from_numpy(np.stack([s[3] for s in segs]))
-    batched = flow.inference(toks, tok_lens, ptoks, p_lens, feats, f_lens, emb, streaming=streaming, finalize=finalize)
+    return flow.inference(toks, tok_lens, ptoks, p_lens, feats, f_lens, emb, **kw)
+
+
+@pytest.mark.parametrize(("streaming", "finalize"), [(False, True), (True, False)])
+def test_batched_equals_single(flow: CausalFlow, ref: dict, streaming: bool, finalize: bool) -> None:
+    """3 padded segments in one call give each segment's single-call mel within 1e-5."""
+    segs = _segments(ref)
+    batched = _batched(flow, segs, streaming=streaming, finalize=finalize)
     assert len(batched) == 3
     lookahead = 0 if finalize else flow.dims.pre_lookahead_len
     for (tok, ptok, feat, e), mel in zip(segs, batched, strict=True):
@@ -202,11 +207,7 @@ def test_reduced_precision_on_gpu(
         assert np.isfinite(mel).all()
         assert diff.max() <= max_tol and diff.mean() <= mean_tol, (key, diff.max(), diff.mean())
     segs = _segments(ref)
-    toks, tok_lens = _pad([s[0] for s in segs])
-    ptoks, p_lens = _pad([s[1] for s in segs])
-    feats, f_lens = _pad([s[2] for s in segs])
-    emb = torch.from_numpy(np.stack([s[3] for s in segs]))
-    batched = flow.inference(toks, tok_lens, ptoks, p_lens, feats, f_lens, emb)
+    batched = _batched(flow, segs)
     for (tok, ptok, feat, e), mel in zip(segs, batched, strict=True):
         (single,) = flow.inference(
             _t(tok[None]), torch.tensor([len(tok)]), _t(ptok[None]), torch.tensor([len(ptok)]),
@@ -238,14 +239,10 @@ def test_compiled_estimator_equals_eager_on_gpu(model_dir: Path, ref: dict) -> N
         pytest.skip("needs a CUDA device")
     flow = CausalFlow.from_model_dir(model_dir, "cuda", torch.float16)
     segs = _segments(ref)
-    toks, tok_lens = _pad([s[0] for s in segs])
-    ptoks, p_lens = _pad([s[1] for s in segs])
-    feats, f_lens = _pad([s[2] for s in segs])
-    emb = torch.from_numpy(np.stack([s[3] for s in segs]))
-    eager = flow.inference(toks, tok_lens, ptoks, p_lens, feats, f_lens, emb)
+    eager = _batched(flow, segs)
     eager_single = _single(flow, ref, "flow")
     flow.decoder.compile_estimator()
-    compiled = flow.inference(toks, tok_lens, ptoks, p_lens, feats, f_lens, emb)
+    compiled = _batched(flow, segs)
     compiled_single = _single(flow, ref, "flow")
     assert float((compiled_single - eager_single).abs().max()) <= 1e-2
     for a, b in zip(compiled, eager, strict=True):
