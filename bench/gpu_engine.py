@@ -850,7 +850,7 @@ class Bench:
             speaker_embedding=self.prompt.embedding.numpy(), prompt_mel=self.prompt.mel.numpy(),
         )
         runs = {}
-        for rows in sorted({a.e2e_rows, 64}, reverse=True):
+        for rows in sorted(set(a.engine_rows), reverse=True):
             backend = TorchLlmBackend(self.llm, rows, self.max_seq)
             engine = CosyVoice2Engine(tokenizer, backend, self.flow, self.hift, lambda _name: profile,
                                       self.speech_vocab, max_batch=rows, flow_batch=a.e2e_flow_batch)
@@ -1122,6 +1122,8 @@ def main() -> None:
     ap.add_argument("--flow-compile", action="store_true",
                     help="flow_hift: also run the estimator through torch.compile (A/B vs eager); e2e then adds a compiled-flow run")
     ap.add_argument("--e2e-rows", type=int, default=256, help="LLM cache rows in the engine")
+    ap.add_argument("--engine-rows", type=int, nargs="+", default=[256, 64],
+                    help="e2e_engine: LLM rows (= segments the worker's engine holds) to run")
     ap.add_argument("--e2e-intake", type=int, default=512, help="segments the engine takes from its intake at once")
     ap.add_argument("--e2e-flow-batch", type=int, default=64)
     ap.add_argument("--upload-threads", type=int, default=8)

@@ -71,8 +71,9 @@ class Settings(BaseSettings):
     # of 4 segments other tokens in a batch than alone (fp32: 4 of 4 the same), so a segment re-rendered
     # in another batch (retry) can come out different. "float32" makes re-renders identical everywhere.
     llm_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    # Run the flow estimator through torch.compile when the flow sits on a GPU: 1.12x on the flow,
-    # 165x vs 152x real time end to end on an H200 (BENCHMARKS.md), for ~2 min of compiling at warm-up.
+    # Run the flow estimator through torch.compile when the flow sits on a GPU: 1.12-1.16x on the flow
+    # and 165x vs 152x with the bench's engine on an H200, but no gain through the worker's engine
+    # (157x vs 158x: its GPU has idle gaps the flow does not fill), for ~2.5 min more warm-up.
     flow_compile: bool = False
 
     # The double buffer: bounded queue between the engine and the upload threads.
