@@ -724,18 +724,14 @@ class Bench:
             for B in a.flow_batches:
                 if hname != a.hift_dtype and B != max(a.flow_batches):
                     continue
-                n = min(len(by_len), max(a.flow_min_segments, a.flow_batches_per_size * B))
-                # length buckets: a spread of the corpus (every k-th by length), cut into B-sized runs of similar length
-                pick = by_len[:: max(1, len(by_len) // n)][:n]
+                pick, batches = self._flow_batches(by_len, B)
                 renderer.times.clear()
                 reset_peak([self.flow_dev])
                 audio = 0.0
                 sync()
                 t = time.perf_counter()
-                for i in range(0, len(pick), B):
-                    chunk = pick[i : i + B]
-                    toks = [[(j * 131 + k * 7) % self.speech_vocab for k in range(s.speech_tokens)] for j, s in enumerate(chunk)]
-                    wavs = renderer(toks, list(range(len(chunk))))
+                for toks in batches:
+                    wavs = renderer(toks, list(range(len(toks))))
                     audio += sum(len(w) for w in wavs) / SAMPLE_RATE
                 sync()
                 wall = time.perf_counter() - t
@@ -753,14 +749,21 @@ class Bench:
             out["compiled"] = self._flow_compiled_rows(by_len)
         return out
 
-    def _flow_compiled_rows(self, by_len: list[Segment]) -> dict:
-        """The flow estimator through torch.compile (dynamic shapes) against eager, same batches."""
-        a, B = self.args, max(self.args.flow_batches)
-        renderer = Renderer(self.flow, self.hift, self.prompt, self.flow_dev)
+    def _flow_batches(self, by_len: list[Segment], B: int) -> tuple[list[Segment], list[list[list[int]]]]:
+        """Length buckets: a spread of the corpus (every k-th by length), cut into B-sized runs of similar
+        length; -> the segments picked, and each run's speech tokens."""
+        a = self.args
         n = min(len(by_len), max(a.flow_min_segments, a.flow_batches_per_size * B))
         pick = by_len[:: max(1, len(by_len) // n)][:n]
         batches = [[[(j * 131 + k * 7) % self.speech_vocab for k in range(s.speech_tokens)] for j, s in enumerate(pick[i : i + B])]
                    for i in range(0, len(pick), B)]
+        return pick, batches
+
+    def _flow_compiled_rows(self, by_len: list[Segment]) -> dict:
+        """The flow estimator through torch.compile (dynamic shapes) against eager, same batches."""
+        B = max(self.args.flow_batches)
+        renderer = Renderer(self.flow, self.hift, self.prompt, self.flow_dev)
+        pick, batches = self._flow_batches(by_len, B)
         probe = batches[0][:4]
         eager_mel, _ = renderer.mels(probe)
         t0 = time.perf_counter()
@@ -774,7 +777,7 @@ class Bench:
         for label, fn in (("compiled", compiled), ("eager", None)):
             self.flow.decoder.compiled_estimator = fn
             renderer.mels(probe); sync()
-            sync(); t = time.perf_counter()
+            t = time.perf_counter()
             frames = 0
             for b in batches:
                 mel, lens = renderer.mels(b)

@@ -7,7 +7,6 @@ run on machines without torch.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Optional
 
@@ -33,15 +32,9 @@ def _fail(message: str) -> None:
     raise typer.Exit(2)
 
 
-def _input_errors() -> tuple[type[BaseException], ...]:
-    """Exceptions that mean bad input (corpus, settings, model directory): one line, no traceback.
-
-    `ModelDirError` is a RuntimeError from the torch side (`worker.cosyvoice2.checkpoint`); it is
-    looked up only once that module is loaded, which it is whenever one can have been raised, so the
-    producer commands never import torch for it. (`except` evaluates this when an exception arrives.)
-    """
-    checkpoint = sys.modules.get("worker.cosyvoice2.checkpoint")
-    return (ValueError, OSError) + ((checkpoint.ModelDirError,) if checkpoint is not None else ())
+# Bad input (corpus, settings, model directory: `ModelDirError` is a ValueError) or a missing file:
+# one line, no traceback.
+INPUT_ERRORS = (ValueError, OSError)
 
 
 def _settings(**overrides) -> Settings:
@@ -78,7 +71,7 @@ def submit(path: Path, voice: str = typer.Option(..., help="voice profile name (
     try:
         spec = plan_job(path, voice, settings, name=name, params=SynthesisParams(max_tokens=max_tokens))
         job_id = submit_job(spec, settings, open_storage(settings), queue)
-    except _input_errors() as e:
+    except INPUT_ERRORS as e:
         _fail(str(e))
     console.print(job_id, highlight=False)
     if watch:
@@ -193,7 +186,7 @@ def render(path: Path, out: Path = typer.Option(..., help="output folder"),
                          output_format=format, storage_url=out.resolve().as_uri())
     try:
         manifest = render_local(path, out, voice, settings, params=SynthesisParams(max_tokens=max_tokens))
-    except _input_errors() as e:
+    except INPUT_ERRORS as e:
         _fail(str(e))
     total = sum(c.duration_s for c in manifest.chapters)
     console.print(f"job {manifest.job_id}: {len(manifest.segments)} segments, {total:.1f} s of audio, "
@@ -214,7 +207,7 @@ def voice_add(name: str, wav: Path = typer.Option(..., help="prompt audio (≤ 3
         _fail("voice add needs the model directory: --model-dir or VOXBATCH_MODEL_DIR")
     try:
         profile = create_voice(settings.model_dir, name, wav, text)
-    except _input_errors() as e:
+    except INPUT_ERRORS as e:
         _fail(str(e))
     save_voice(open_storage(settings), profile)
     console.print(f"stored voice {name!r}")

@@ -150,24 +150,22 @@ class Pipeline:
         self._abandoned.set()
         for timer in list(self._timers):
             timer.cancel()
-        self._drain_intake()
+        self._clear_intake()
         with self._handles_lock:
             handles = list(self._handles)
         for handle in handles:
             handle.abandon()
         return sum(h.abandoned for h in handles)
 
-    def _drain_intake(self) -> list[SynthesisRequest]:
-        drained = []
+    def _clear_intake(self) -> None:
         while True:
             try:
                 req = self.intake.get_nowait()
             except queue.Empty:
-                return drained
+                return
             if req is None:  # stop() was called: leave its sentinel for the engine
                 self.intake.put(None)
-                return drained
-            drained.append(req)
+                return
 
     def __enter__(self) -> "Pipeline":
         return self.start()
@@ -233,16 +231,15 @@ class Pipeline:
                 error = self.jobs.last_error(task.job_id, seg.id) or "worker lost while rendering"
                 self._record(task.job_id, seg.id, error=f"gave up after {attempt - 1} attempts: {error}")
                 tag.handle.segment_finished()
-            elif attempt > 1 and self.jobs.last_error(task.job_id, seg.id) is None:  # died with its worker
+                continue
+            if attempt > 1 and self.jobs.last_error(task.job_id, seg.id) is None:  # died with its worker
                 if len(batch) > 1:
                     self.jobs.forget_attempt(task.job_id, seg.id)
                     log.info("segment %s/%s: its worker died while rendering it; rendering it alone", task.job_id, seg.id)
                     self.intake.put(replace(req, solo=True))
                     continue
                 self._wait_until_stored()
-                admitted.append(replace(req, tag=replace(tag, attempt=attempt)))
-            else:
-                admitted.append(replace(req, tag=replace(tag, attempt=attempt)))
+            admitted.append(replace(req, tag=replace(tag, attempt=attempt)))
         return admitted
 
     def _emit(self, result: SynthesisResult) -> None:

@@ -15,20 +15,9 @@ from typing import Any
 import torch
 import yaml
 
-# Files an official CosyVoice2-0.5B directory holds, and what each is.
-MODEL_FILES = {
-    "cosyvoice2.yaml": "the HyperPyYAML model config",
-    "llm.pt": "the Qwen2LM state dict (torch.save)",
-    "flow.pt": "the CausalMaskedDiffWithXvec state dict (torch.save)",
-    "hift.pt": "the HiFTGenerator state dict (torch.save)",
-    "campplus.onnx": "the CAM++ speaker-embedding ONNX model",
-    "speech_tokenizer_v2.onnx": "the S3 speech tokenizer ONNX model",
-    "CosyVoice-BlankEN": "the Qwen2 tokenizer folder (tokenizer.json or vocab.json + merges.txt)",
-}
+from worker.cosyvoice2.model_files import MODEL_FILES, ModelDirError
 
-
-class ModelDirError(RuntimeError):
-    """A model directory is missing a file or holds one that is not what we expect."""
+__all__ = ["MODEL_FILES", "ModelDirError", "check_keys", "load_state_dict", "read_config", "section"]
 
 
 class _Tagged(dict):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from worker.cosyvoice2.checkpoint import MODEL_FILES, ModelDirError
+from worker.cosyvoice2.model_files import MODEL_FILES, ModelDirError
 
 HUB_REPO = "FunAudioLLM/CosyVoice2-0.5B"
 # What the engine itself reads (the two ONNX files are only needed to make voices, producer side).
@@ -23,8 +23,8 @@ HOW_TO_PROVIDE = (
 
 
 class ModelUnavailableError(ModelDirError, OSError):
-    """No model directory was given and none could be downloaded (an OSError too, so the CLI commands
-    report it as a one-line error instead of a traceback)."""
+    """No model directory was given and none could be downloaded (an OSError too: it is the
+    environment, not the input, that lacks something)."""
 
 
 def check_model_dir(model_dir: str | Path, required: tuple[str, ...] = ENGINE_FILES) -> Path:

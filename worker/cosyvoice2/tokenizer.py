@@ -7,8 +7,7 @@ We load `tokenizer.json` when present, else rebuild the same pipeline from `voca
 (NFC, Qwen2's split regex, ByteLevel, no BOS), so both layouts of the folder give the same ids.
 
 No torch here: the producer counts tokens with this class to segment text (`producer/submit.py`)
-on machines without torch. For the same reason a bad folder raises `TokenizerError`, a ValueError,
-rather than `checkpoint.ModelDirError` (that module imports torch).
+on machines without torch; a bad folder raises the torch-free `ModelDirError`.
 """
 
 from __future__ import annotations
@@ -18,12 +17,10 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
+from worker.cosyvoice2.model_files import MODEL_FILES, ModelDirError
+
 TOKENIZER_DIR = "CosyVoice-BlankEN"
-WHAT = "the Qwen2 tokenizer folder: tokenizer.json, or vocab.json + merges.txt"
-
-
-class TokenizerError(ValueError):
-    """The tokenizer folder is missing, or holds files the `tokenizers` library cannot read."""
+WHAT = MODEL_FILES[TOKENIZER_DIR]
 
 # Added after the base vocabulary in exactly this order (the official `get_qwen_tokenizer` list).
 # Tokens already in the vocabulary (`<|im_start|>`, `<|im_end|>`) keep their ids.
@@ -65,17 +62,18 @@ class CosyVoice2Tokenizer:
     def __init__(self, folder: str | Path):
         folder = Path(folder)
         if not folder.is_dir():
-            raise TokenizerError(f"{folder}: missing ({WHAT})")
-        if (folder / "tokenizer.json").is_file():
-            files, load = str(folder / "tokenizer.json"), lambda: Tokenizer.from_file(str(folder / "tokenizer.json"))
+            raise ModelDirError(f"{folder}: missing ({WHAT})")
+        single = folder / "tokenizer.json"
+        if single.is_file():
+            files, load = str(single), lambda: Tokenizer.from_file(str(single))
         elif (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file():
             files, load = f"{folder}/{{vocab.json,merges.txt}}", lambda: _from_vocab_merges(folder)
         else:
-            raise TokenizerError(f"{folder}: no tokenizer.json and no vocab.json + merges.txt ({WHAT})")
+            raise ModelDirError(f"{folder}: no tokenizer.json and no vocab.json + merges.txt ({WHAT})")
         try:
             self._tok: Tokenizer = load()
         except Exception as e:  # noqa: BLE001 - `tokenizers` raises a plain Exception for a malformed file
-            raise TokenizerError(f"{files}: not a readable tokenizer ({type(e).__name__}: {e})") from e
+            raise ModelDirError(f"{files}: not a readable tokenizer ({type(e).__name__}: {e})") from e
         self._tok.add_special_tokens(
             [AddedToken(t, single_word=False, lstrip=False, rstrip=False, normalized=False, special=True) for t in SPECIAL_TOKENS]
         )

@@ -110,7 +110,7 @@ class VllmLlmBackend(LlmBackend):
             gpu_memory_utilization=settings.vllm_gpu_memory_utilization,
             max_model_len=settings.vllm_max_model_len,
             max_num_seqs=settings.engine_max_batch,
-            dtype=None if getattr(settings, "llm_dtype", "auto") == "auto" else settings.llm_dtype,
+            dtype=None if settings.llm_dtype == "auto" else settings.llm_dtype,
         )
         return cls(settings.model_dir, options)
 
@@ -268,7 +268,7 @@ def _build_engine(folder: Path, options: VllmOptions) -> tuple[Any, torch.dtype]
 
     on_cpu = current_platform.is_cpu()
     dtype_name = options.dtype or ("float32" if on_cpu else "bfloat16")
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype_name]
+    dtype = getattr(torch, dtype_name)
     kwargs: dict[str, Any] = dict(
         model=str(folder),
         skip_tokenizer_init=True,
