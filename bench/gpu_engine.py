@@ -59,11 +59,11 @@ from bench.gpu_models import (
     text_token_ids,
     write_model_dir,
 )
-from worker.cosyvoice2.torch_backend import TorchLlmBackend
-from worker.cosyvoice2.llm import Attention, apply_rope
-from worker.cosyvoice2.llm_backend import LlmBackend, LlmRequest
-from worker.cosyvoice2.sampling import sample_tokens
-from worker.engine import Engine, SynthesisRequest, SynthesisResult
+from voxbatch.worker.cosyvoice2.torch_backend import TorchLlmBackend
+from voxbatch.worker.cosyvoice2.llm import Attention, apply_rope
+from voxbatch.worker.cosyvoice2.llm_backend import LlmBackend, LlmRequest
+from voxbatch.worker.cosyvoice2.sampling import sample_tokens
+from voxbatch.worker.engine import Engine, SynthesisRequest, SynthesisResult
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE_RATE = 24000
@@ -406,7 +406,7 @@ def run_pipeline(engines: list[Engine], corpus: list[Segment], out_dir: Path, qu
     from voxbatch.models import RenderTask, SynthesisParams, TaskSegment, segment_id
     from voxbatch.settings import Settings
     from voxbatch.storage import LocalStorage
-    from worker.pipeline import Pipeline
+    from voxbatch.worker.pipeline import Pipeline
 
     settings = Settings(output_queue_size=queue_size, upload_threads=upload_threads, output_format=fmt, max_attempts=1)
     storage = LocalStorage(out_dir)
@@ -685,7 +685,7 @@ class Bench:
         return out
 
     def vllm_stage(self) -> dict:
-        from worker.cosyvoice2.vllm_backend import VllmLlmBackend, VllmOptions
+        from voxbatch.worker.cosyvoice2.vllm_backend import VllmLlmBackend, VllmOptions
 
         save_llm(self.llm, self.model_dir)
         t = time.perf_counter()
@@ -843,8 +843,8 @@ class Bench:
         tokens (random weights never stop); the intake holds `--e2e-intake` segments, as a worker
         holds task_concurrency x batch_size."""
         from voxbatch.voice import VoiceProfile
-        from worker.cosyvoice2.engine import CosyVoice2Engine
-        from worker.cosyvoice2.tokenizer import CosyVoice2Tokenizer
+        from voxbatch.worker.cosyvoice2.engine import CosyVoice2Engine
+        from voxbatch.worker.cosyvoice2.tokenizer import CosyVoice2Tokenizer
 
         a = self.args
         tokenizer = CosyVoice2Tokenizer.from_model_dir(self.model_dir)
@@ -918,7 +918,7 @@ class Bench:
         hift32 = build_hift(self.model_dir, fdev, torch.float32)
         renderer = Renderer(flow32, hift32, self.prompt, fdev, flow_autocast=torch.float16 if cuda else None)
         llm32.setup_cache(1, self.max_seq)
-        from worker.cosyvoice2.sampling import BatchSampler, RasConfig
+        from voxbatch.worker.cosyvoice2.sampling import BatchSampler, RasConfig
 
         sampler = BatchSampler(1, 10, dev, llm32.dims.eos_id, fn=sample_tokens)
         segs = self.corpus[: self.args.baseline_segments]

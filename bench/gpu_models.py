@@ -20,10 +20,10 @@ from pathlib import Path
 
 import torch
 
-from worker.cosyvoice2.checkpoint import read_config
-from worker.cosyvoice2.flow import CausalFlow, FlowDims, fixed_noise
-from worker.cosyvoice2.hift import FP32_MODULES, HiFTGenerator, HiftDims
-from worker.cosyvoice2.llm import QWEN_DIR, CosyVoice2LM, LlmDims
+from voxbatch.worker.cosyvoice2.checkpoint import read_config
+from voxbatch.worker.cosyvoice2.flow import CausalFlow, FlowDims, fixed_noise
+from voxbatch.worker.cosyvoice2.hift import FP32_MODULES, HiFTGenerator, HiftDims
+from voxbatch.worker.cosyvoice2.llm import QWEN_DIR, CosyVoice2LM, LlmDims
 
 HERE = Path(__file__).resolve().parent
 FULL_YAML = HERE / "cosyvoice2_full.yaml"
@@ -61,7 +61,7 @@ def write_model_dir(root: Path, tiny: bool = False, fixture_yaml: Path | None = 
     (root / QWEN_DIR / "config.json").write_text(json.dumps(qwen, indent=2))
     # A small byte-level BPE with Qwen2's pre-tokenizer (make-tiny's), so the worker's own
     # CosyVoice2Engine can tokenize text here (stage e2e_engine); its ids fit either vocab.
-    from worker.cosyvoice2.tiny import TinyDims, write_tokenizer
+    from voxbatch.worker.cosyvoice2.tiny import TinyDims, write_tokenizer
 
     write_tokenizer(root / QWEN_DIR, TinyDims())
     return root

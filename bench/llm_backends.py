@@ -42,7 +42,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from worker.cosyvoice2.llm_backend import LlmBackend, LlmRequest
+from voxbatch.worker.cosyvoice2.llm_backend import LlmBackend, LlmRequest
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT_TEXT = "Good morning, we are testing speech synthesis today."
@@ -163,10 +163,10 @@ def measure_llm(backend: LlmBackend, reqs: list[LlmRequest], mode: str, threads:
 
 def build_llm(name: str, model_dir: Path, max_batch: int, max_seq: int) -> LlmBackend:
     if name == "torch":
-        from worker.cosyvoice2.torch_backend import TorchLlmBackend
+        from voxbatch.worker.cosyvoice2.torch_backend import TorchLlmBackend
 
         return TorchLlmBackend.from_model_dir(model_dir, device="cuda" if torch.cuda.is_available() else "cpu", max_batch=max_batch, max_seq=max_seq)
-    from worker.cosyvoice2.vllm_backend import VllmLlmBackend, VllmOptions
+    from voxbatch.worker.cosyvoice2.vllm_backend import VllmLlmBackend, VllmOptions
 
     return VllmLlmBackend(model_dir, VllmOptions(max_model_len=max_seq, max_num_seqs=max_batch))
 
@@ -183,11 +183,11 @@ def close(backend: object) -> None:
 
 def measure_engine(name: str, model_dir: Path, segments: int, tokens: int, min_seconds: float, repeats: int) -> E2eRow:
     """CPU and wall time per second of audio of the whole engine with LLM backend `name`."""
-    from producer.voice import create_voice
+    from voxbatch.producer.voice import create_voice
     from voxbatch.models import SynthesisParams
     from voxbatch.settings import Settings
-    from worker.cosyvoice2.engine import CosyVoice2Engine, _Item
-    from worker.engine import SynthesisRequest
+    from voxbatch.worker.cosyvoice2.engine import CosyVoice2Engine, _Item
+    from voxbatch.worker.engine import SynthesisRequest
 
     profile = create_voice(model_dir, "bench", model_dir / "prompt_24k.wav", PROMPT_TEXT)
     settings = Settings(engine="cosyvoice2", llm_backend=name, model_dir=str(model_dir), engine_max_batch=segments)

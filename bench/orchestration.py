@@ -59,7 +59,7 @@ import redis
 from rich.console import Console
 from rich.table import Table
 
-from producer.submit import render_tasks
+from voxbatch.producer.submit import render_tasks
 from tests import services
 from voxbatch import jobstate
 from voxbatch.celery_app import configure_celery, send_render
@@ -67,8 +67,8 @@ from voxbatch.jobstate import MemoryJobStore, RedisJobStore
 from voxbatch.models import JobSpec, Segment
 from voxbatch.settings import Settings
 from voxbatch.storage import LocalStorage, open_storage
-from worker.pipeline import Pipeline
-from worker.tone import ToneEngine, tone_duration_s
+from voxbatch.worker.pipeline import Pipeline
+from voxbatch.worker.tone import ToneEngine, tone_duration_s
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -203,7 +203,7 @@ def process_counts(count_dir: Path) -> dict[str, dict]:
         except (OSError, json.JSONDecodeError):
             continue
         argv = " ".join(data.get("argv") or [])
-        role = ("worker" if "worker/main.py" in argv or "worker.main" in argv  # `python -m worker.main`
+        role = ("worker" if "voxbatch/worker/main.py" in argv or "voxbatch.worker.main" in argv  # `python -m voxbatch.worker.main`
                 else "assembler" if "assembler" in argv else "launcher")
         acc = out.setdefault(role, {"redis": Counter(), "s3": Counter(), "s3_http": Counter()})
         for kind in acc:

@@ -1,7 +1,7 @@
 # syntax=docker/dockerfile:1
 # voxbatch producer side, no CUDA and no torch: `voxbatch submit/status/cancel/retry/fetch/jobs`,
 # `voxbatch assembler` (chapters, manifest, subtitles, .m4b) and the load exporter
-# (`python -m worker.metrics`). The package is installed without extras; the engine is not in here.
+# (`python -m voxbatch.worker.metrics`). The package is installed without extras; the engine is not in here.
 FROM python:3.12-slim-bookworm
 
 ENV PYTHONUNBUFFERED=1 \
@@ -15,7 +15,7 @@ RUN apt-get update \
 
 COPY . /src
 RUN pip install /src \
- && python -c "import sys, voxbatch.cli, worker.metrics; assert 'torch' not in sys.modules" \
+ && python -c "import sys, voxbatch.cli, voxbatch.worker.metrics; assert 'torch' not in sys.modules" \
  && voxbatch --help > /dev/null
 
 RUN useradd --create-home --uid 10001 voxbatch

@@ -42,7 +42,7 @@ RUN printf 'torch==%s\nvllm==%s\n' "$TORCH_VERSION" "$VLLM_VERSION" > /opt/const
 
 COPY . /src
 RUN pip install -c /opt/constraints.txt "/src[engine,vllm]" \
- && python -c "import voxbatch.cli, worker.main, worker.metrics"
+ && python -c "import voxbatch.cli, voxbatch.worker.main, voxbatch.worker.metrics"
 
 # Unprivileged; HOME holds vLLM / torch.compile caches (mount a volume there to keep them warm).
 RUN useradd --create-home --uid 10001 voxbatch

@@ -15,8 +15,8 @@ import subprocess
 import numpy as np
 import pytest
 
-from producer import assemble as asm
-from producer.subtitles import LINE_WIDTH, samples_to_ms, srt_time, vtt_time, wrap
+from voxbatch.producer import assemble as asm
+from voxbatch.producer.subtitles import LINE_WIDTH, samples_to_ms, srt_time, vtt_time, wrap
 from voxbatch import audio, keys
 from voxbatch.models import JobSpec, Segment
 from voxbatch.settings import Settings

@@ -15,9 +15,9 @@ import torch
 
 from bench.gpu_engine import set_grouped_decode
 from bench.gpu_models import make_corpus, plan_text
-from worker.cosyvoice2.llm import CosyVoice2LM
-from worker.cosyvoice2.llm_backend import LlmRequest
-from worker.cosyvoice2.torch_backend import TorchLlmBackend
+from voxbatch.worker.cosyvoice2.llm import CosyVoice2LM
+from voxbatch.worker.cosyvoice2.llm_backend import LlmRequest
+from voxbatch.worker.cosyvoice2.torch_backend import TorchLlmBackend
 
 
 @pytest.fixture(scope="module")

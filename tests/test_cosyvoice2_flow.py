@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from worker.cosyvoice2.checkpoint import ModelDirError
-from worker.cosyvoice2.flow import CausalFlow, fixed_noise
+from voxbatch.worker.cosyvoice2.checkpoint import ModelDirError
+from voxbatch.worker.cosyvoice2.flow import CausalFlow, fixed_noise
 
 MEL_TOL = 1e-4
 TIGHT_TOL = 1e-5

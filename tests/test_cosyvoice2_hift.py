@@ -28,8 +28,8 @@ import numpy as np
 import pytest
 import torch
 
-from worker.cosyvoice2.checkpoint import ModelDirError, load_state_dict
-from worker.cosyvoice2.hift import HiFTGenerator, convert_state_dict, load_hift
+from voxbatch.worker.cosyvoice2.checkpoint import ModelDirError, load_state_dict
+from voxbatch.worker.cosyvoice2.hift import HiFTGenerator, convert_state_dict, load_hift
 
 F0_REL_TOL = 1e-3
 WAV_TOL = 1e-4

@@ -348,7 +348,7 @@ def test_keda_scales_the_worker_on_outstanding_segments():
     assert url.hostname.split(".")[:2] == [svc["metadata"]["name"], svc["metadata"]["namespace"]]
     assert url.port == svc["spec"]["ports"][0]["port"] and url.path == "/load"
     exporter = _container(k8s_doc("Deployment", "voxbatch-load-exporter"))
-    assert exporter["command"] == ["python", "-m", "worker.metrics"]
+    assert exporter["command"] == ["python", "-m", "voxbatch.worker.metrics"]
     assert exporter["args"] == ["--port", str(exporter["ports"][0]["containerPort"])]
     # One worker holds task_concurrency x batch_size segments; a smaller target starts idle workers.
     data = k8s_doc("ConfigMap", "voxbatch-config")["data"]

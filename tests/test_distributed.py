@@ -26,7 +26,7 @@ from voxbatch.jobstate import RedisJobStore
 from voxbatch.models import JobSpec, Manifest
 from voxbatch.settings import Settings
 from voxbatch.storage import S3Storage
-from worker.tone import CRASH_MARKER, FAIL_MARKER, SAMPLE_RATE, tone_samples
+from voxbatch.worker.tone import CRASH_MARKER, FAIL_MARKER, SAMPLE_RATE, tone_samples
 
 pytestmark = pytest.mark.integration
 
@@ -190,7 +190,7 @@ def test_worker_killed_mid_job_is_restarted_and_job_completes(cluster, tmp_path)
 def test_task_delivered_twice_is_not_rendered_twice(cluster, tmp_path):
     """Every render task of a finished job delivered again: each is consumed, skips all its segments
     (the worker logs it), acks, and nothing is rendered, written or assembled a second time."""
-    from producer.submit import render_tasks
+    from voxbatch.producer.submit import render_tasks
 
     book = corpora.write_txt(tmp_path / "book.txt")
     port = services.free_port()
@@ -220,7 +220,7 @@ def test_task_delivered_twice_is_not_rendered_twice(cluster, tmp_path):
 
 def test_task_delivered_twice_while_the_job_runs_is_not_rendered_twice(cluster, tmp_path):
     """Duplicates of the first finished tasks arrive while the rest of the job is still rendering."""
-    from producer.submit import render_tasks
+    from voxbatch.producer.submit import render_tasks
 
     book = corpora.long_book(tmp_path / "long.txt", chapters=2, sentences=60)
     port = services.free_port()

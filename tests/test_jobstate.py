@@ -22,8 +22,8 @@ from voxbatch.jobstate import RedisJobStore
 from voxbatch.models import RenderTask, SynthesisParams, TaskSegment
 from voxbatch.settings import Settings
 from voxbatch.storage import LocalStorage
-from worker.pipeline import Pipeline
-from worker.tone import SAMPLE_RATE, ToneEngine
+from voxbatch.worker.pipeline import Pipeline
+from voxbatch.worker.tone import SAMPLE_RATE, ToneEngine
 
 pytestmark = pytest.mark.integration
 

@@ -19,7 +19,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from worker.metrics import LOAD_KEY, LoadCollector, Metrics, load_app, serve
+from voxbatch.worker.metrics import LOAD_KEY, LoadCollector, Metrics, load_app, serve
 
 
 def _free_port() -> int:
@@ -117,7 +117,7 @@ def test_gpu_memory_gauge_absent_without_cuda():
 
 
 def test_metrics_module_does_not_import_torch():
-    code = "import sys, worker.metrics; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, voxbatch.worker.metrics; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 

@@ -22,12 +22,12 @@ import uuid
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from producer.submit import plan_job
+from voxbatch.producer.submit import plan_job
 from tests import corpora, services
 from voxbatch.jobstate import RedisJobStore
 from voxbatch.settings import Settings
 from voxbatch.storage import S3Storage
-from worker.tone import tone_duration_s
+from voxbatch.worker.tone import tone_duration_s
 
 pytestmark = pytest.mark.integration
 
@@ -72,7 +72,7 @@ def test_rendered_counter_matches_stored_objects_and_load_tracks_work(env, s3_en
 
     # The worker exactly as the images run it (`voxbatch worker --gpus 0`); GPU 0 -> port + 0.
     worker = services.VoxbatchProcess(["worker", "--gpus", "0"], env, tmp_path / "worker.log").start()
-    exporter = subprocess.Popen([sys.executable, "-m", "worker.metrics", "--port", str(exporter_port),
+    exporter = subprocess.Popen([sys.executable, "-m", "voxbatch.worker.metrics", "--port", str(exporter_port),
                                  "--addr", "127.0.0.1"], cwd=services.REPO, env=env,
                                 stdout=subprocess.DEVNULL, stderr=(tmp_path / "exporter.log").open("wb"))
     try:

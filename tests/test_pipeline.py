@@ -7,13 +7,13 @@ import time
 
 import pytest
 
-from producer.submit import render_tasks
+from voxbatch.producer.submit import render_tasks
 from voxbatch.jobstate import MemoryJobStore
 from voxbatch.models import JobSpec, Segment
 from voxbatch.settings import Settings
 from voxbatch.storage import LocalStorage
-from worker.pipeline import Pipeline, backoff_s
-from worker.tone import FAIL_MARKER, ToneEngine
+from voxbatch.worker.pipeline import Pipeline, backoff_s
+from voxbatch.worker.tone import FAIL_MARKER, ToneEngine
 
 
 class SlowStorage(LocalStorage):

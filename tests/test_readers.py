@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from producer.readers import MAX_LINE_CHARS, CorpusError, chapter_heading, natural_key, read_corpus
+from voxbatch.producer.readers import MAX_LINE_CHARS, CorpusError, chapter_heading, natural_key, read_corpus
 
 BOOK_TXT = """\
 The Lighthouse
@@ -273,7 +273,7 @@ def test_unsupported_and_missing_paths(tmp_path):
 def test_producer_modules_import_without_torch():
     code = (
         "import sys\n"
-        "import producer.readers, producer.normalize, producer.segment\n"
+        "import voxbatch.producer.readers, voxbatch.producer.normalize, voxbatch.producer.segment\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])

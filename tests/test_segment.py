@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from producer.normalize import (
+from voxbatch.producer.normalize import (
     detect_lang,
     is_only_punctuation,
     normalize_text,
@@ -13,7 +13,7 @@ from producer.normalize import (
     wetext_available,
     zh_number,
 )
-from producer.segment import (
+from voxbatch.producer.segment import (
     SplitRules,
     estimate_tokens,
     paragraphs,
@@ -214,7 +214,7 @@ def test_wetext_works_offline():
 
 def test_engine_tokenizer_plugs_in_as_length_function(tiny_model_dir):
     """The engine's tokenizer (`token_length`) is a drop-in `LengthFn` (the fixture's toy BPE here)."""
-    tokenizer_mod = pytest.importorskip("worker.cosyvoice2.tokenizer")
+    tokenizer_mod = pytest.importorskip("voxbatch.worker.cosyvoice2.tokenizer")
     tok = tokenizer_mod.CosyVoice2Tokenizer.from_model_dir(tiny_model_dir)
     text = " ".join(f"Sentence {i} of the chapter tells a short part of the story." for i in range(40))
     chapter = Chapter(index=0, title="t", text=text, source="x")
@@ -244,7 +244,7 @@ BOOK = "\n\n".join(
 
 
 def _plan(tmp_path, voice: str, model_dir, engine: str | None = None):
-    from producer.submit import plan_job
+    from voxbatch.producer.submit import plan_job
     from voxbatch.settings import Settings
 
     book = tmp_path / "book.txt"
@@ -257,7 +257,7 @@ def test_plan_job_measures_segments_with_the_model_tokenizer(tiny_model_dir, tmp
     """With a model dir (submit's and render's `--model-dir` / VOXBATCH_MODEL_DIR) segments follow the
     official 80/60/20 rules in the model's own tokens; without one, or for the tone engine, the
     tokenizer-free estimate decides, and here it packs past 80 real tokens."""
-    from worker.cosyvoice2.tokenizer import CosyVoice2Tokenizer
+    from voxbatch.worker.cosyvoice2.tokenizer import CosyVoice2Tokenizer
 
     count = CosyVoice2Tokenizer.from_model_dir(tiny_model_dir).token_length
     sentence_max = max(count(" " + s) for p in paragraphs(BOOK) for s in split_sentences(p, "en"))
@@ -283,7 +283,7 @@ def test_segmenting_with_the_tokenizer_needs_no_torch(tiny_model_dir):
 
     code = (
         "import sys\n"
-        "from producer.submit import segment_length_fn\n"
+        "from voxbatch.producer.submit import segment_length_fn\n"
         "from voxbatch.settings import Settings\n"
         f"count = segment_length_fn(Settings(model_dir={str(tiny_model_dir)!r}), 'v1')\n"
         "assert count is not None and count('The boat came back at dawn.') > 0\n"

@@ -23,8 +23,8 @@ import torch
 from safetensors.torch import load_file
 
 from tests.conftest import tiny_fixture_path
-from worker.cosyvoice2.llm_backend import LlmRequest
-from worker.cosyvoice2.vllm_export import ARCHITECTURE, FOLDER_NAME, STAMP_FILE, export_for_vllm
+from voxbatch.worker.cosyvoice2.llm_backend import LlmRequest
+from voxbatch.worker.cosyvoice2.vllm_export import ARCHITECTURE, FOLDER_NAME, STAMP_FILE, export_for_vllm
 
 pytestmark = pytest.mark.vllm
 
@@ -153,7 +153,7 @@ def _ras_case(ref) -> tuple[torch.Tensor, list[int]]:
 @needs_fixture
 def test_ras_closed_form_equals_official_enumeration(ref):
     _vllm_or_skip()
-    from worker.cosyvoice2.ras import RasParams, ras_logits
+    from voxbatch.worker.cosyvoice2.ras import RasParams, ras_logits
 
     logits, decoded = _ras_case(ref)
     for top_p, top_k, win, tau in [(0.8, 25, 10, 0.1), (0.95, 5, 6, 0.15), (0.5, 25, 10, 0.2)]:
@@ -181,8 +181,8 @@ def test_ras_closed_form_equals_official_enumeration(ref):
 def test_ras_closed_form_matches_two_step_monte_carlo(ref):
     """200k draws of the two-step sampler vs the processor's distribution: TV < 0.01."""
     _vllm_or_skip()
-    from worker.cosyvoice2.ras import ras_logits
-    from worker.cosyvoice2.sampling import ras_sample
+    from voxbatch.worker.cosyvoice2.ras import ras_logits
+    from voxbatch.worker.cosyvoice2.sampling import ras_sample
 
     logits, decoded = _ras_case(ref)
     recent = torch.tensor(decoded[-10:])
@@ -213,7 +213,7 @@ def test_logits_processor_tracks_batch_and_masks_eos(ref):
     from vllm import SamplingParams
     from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 
-    from worker.cosyvoice2.ras import RasLogitsProcessor, RasParams, ras_extra_args, ras_logits
+    from voxbatch.worker.cosyvoice2.ras import RasLogitsProcessor, RasParams, ras_extra_args, ras_logits
 
     logits, decoded = _ras_case(ref)
     proc = RasLogitsProcessor(None, torch.device("cpu"), False)
@@ -246,7 +246,7 @@ def backend(tmp_path_factory):
     if not (FIXTURE / "reference.npz").is_file():
         pytest.skip(f"fixture not found at {FIXTURE}")
     _vllm_or_skip()
-    from worker.cosyvoice2.vllm_backend import VllmLlmBackend, VllmOptions
+    from voxbatch.worker.cosyvoice2.vllm_backend import VllmLlmBackend, VllmOptions
 
     b = VllmLlmBackend(FIXTURE, VllmOptions(max_model_len=512, max_num_seqs=8, export_cache_dir=str(tmp_path_factory.mktemp("vllm")), dtype="float32"))
     yield b
@@ -283,7 +283,7 @@ def test_greedy_tokens_equal_official(backend, ref, min_len):
 
 
 def test_greedy_tokens_equal_torch_backend(backend, ref):
-    from worker.cosyvoice2.torch_backend import TorchLlmBackend
+    from voxbatch.worker.cosyvoice2.torch_backend import TorchLlmBackend
 
     torch_backend = TorchLlmBackend.from_model_dir(FIXTURE, max_batch=8, max_seq=512)
     reqs = _mixed_requests(ref, greedy=True)
@@ -356,7 +356,7 @@ def test_logits_processor_v2_reads_the_device_history(ref):
 
     from vllm import SamplingParams
 
-    from worker.cosyvoice2.ras import RasLogitsProcessorV2, RasParams, ras_extra_args, ras_logits
+    from voxbatch.worker.cosyvoice2.ras import RasLogitsProcessorV2, RasParams, ras_extra_args, ras_logits
 
     if RasLogitsProcessorV2 is None:
         pytest.skip("this vLLM has no Model Runner V2 logits-processor API")
@@ -405,7 +405,7 @@ def test_engine_samples_the_ras_distribution(backend, ref):
     1600 seeded requests of one token; P is the closed form on the official step-0 log-probs (empty
     window, no eos mask). Tolerance: TV < 0.08 (sampling noise alone is about 0.04 here).
     """
-    from worker.cosyvoice2.ras import ras_logits
+    from voxbatch.worker.cosyvoice2.ras import ras_logits
 
     n = 1600
     base = _fixture_request(ref, 0)

@@ -24,8 +24,8 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from producer import audio_features as af
-from producer.voice import VoiceCreationError, align_prompt, create_voice, speaker_embedding, speech_tokens
+from voxbatch.producer import audio_features as af
+from voxbatch.producer.voice import VoiceCreationError, align_prompt, create_voice, speaker_embedding, speech_tokens
 from voxbatch.storage import LocalStorage
 from voxbatch.voice import VoiceFormatError, VoiceNotFoundError, VoiceProfile, load_voice, save_voice
 

@@ -63,7 +63,7 @@ def submit(path: Path, voice: str = typer.Option(..., help="voice profile name (
                           "tokenizer folder is read; without a model dir, or for the 'tone' voice, a "
                           "tokenizer-free estimate is used)")):
     """Read, segment and enqueue a corpus (.txt, .md, .epub or a folder); prints the job id."""
-    from producer.submit import plan_job, submit_job
+    from voxbatch.producer.submit import plan_job, submit_job
     from voxbatch.models import SynthesisParams
     from voxbatch.storage import open_storage
 
@@ -75,7 +75,7 @@ def submit(path: Path, voice: str = typer.Option(..., help="voice profile name (
         _fail(str(e))
     console.print(job_id, highlight=False)
     if watch:
-        from producer.control import watch as watch_job
+        from voxbatch.producer.control import watch as watch_job
 
         watch_job(_jobs(settings), job_id, err)
 
@@ -83,8 +83,8 @@ def submit(path: Path, voice: str = typer.Option(..., help="voice profile name (
 @app.command()
 def status(job: str, watch: bool = typer.Option(False, help="progress bar until the job finishes")):
     """Progress of a job: segments, audio seconds, failures."""
-    from producer.control import JobNotFound, get_status, status_table
-    from producer.control import watch as watch_job
+    from voxbatch.producer.control import JobNotFound, get_status, status_table
+    from voxbatch.producer.control import watch as watch_job
 
     jobs = _jobs(_settings())
     try:
@@ -105,8 +105,8 @@ def cancel(job: str):
 @app.command()
 def retry(job: str, queue: Optional[str] = typer.Option(None, help="render queue")):
     """Re-enqueue only the failed or missing segments of a job."""
-    from producer.control import JobNotFound, retry_job
-    from producer.submit import SubmitError
+    from voxbatch.producer.control import JobNotFound, retry_job
+    from voxbatch.producer.submit import SubmitError
     from voxbatch.storage import open_storage
 
     settings = _settings()
@@ -120,7 +120,7 @@ def retry(job: str, queue: Optional[str] = typer.Option(None, help="render queue
 @app.command()
 def fetch(job: str, out: Path = typer.Option(..., help="folder to download the job's files into")):
     """Download every file of a job (segments, chapters, manifest, subtitles, book)."""
-    from producer.assemble import fetch_job
+    from voxbatch.producer.assemble import fetch_job
     from voxbatch.storage import open_storage
 
     n = fetch_job(open_storage(_settings()), job, out)
@@ -132,7 +132,7 @@ def fetch(job: str, out: Path = typer.Option(..., help="folder to download the j
 @app.command("jobs")
 def list_jobs(limit: int = typer.Option(50, help="most jobs to list")):
     """List jobs, newest first."""
-    from producer.control import jobs_table
+    from voxbatch.producer.control import jobs_table
 
     console.print(jobs_table(_jobs(_settings()), limit))
 
@@ -145,7 +145,7 @@ def worker(gpus: Optional[str] = typer.Option(None, help="comma-separated GPU id
            concurrency: Optional[int] = typer.Option(None, help="render tasks at once per process"),
            queues: Optional[str] = typer.Option(None, help="queues to consume (default: render)")):
     """Start GPU workers: one pinned Celery process per GPU, engine warmed before the first task."""
-    from worker.launcher import run_workers
+    from voxbatch.worker.launcher import run_workers
 
     flags = {"engine": engine, "llm_backend": llm_backend, "model_dir": str(model_dir) if model_dir else None}
     _settings(**flags)  # validate here, before any process starts
@@ -157,7 +157,7 @@ def worker(gpus: Optional[str] = typer.Option(None, help="comma-separated GPU id
 @app.command()
 def assembler(concurrency: int = typer.Option(2, help="assemble tasks at once")):
     """Start the CPU assembler: chapters, manifest, subtitles and m4b once a job's last segment lands."""
-    import producer.tasks  # noqa: F401 - registers voxbatch.assemble
+    import voxbatch.producer.tasks  # noqa: F401 - registers voxbatch.assemble
     from voxbatch.celery_app import app as celery_app
     from voxbatch.celery_app import configure_celery
 
@@ -180,7 +180,7 @@ def render(path: Path, out: Path = typer.Option(..., help="output folder"),
            max_tokens: Optional[int] = typer.Option(None, help="cap on speech tokens per segment")):
     """Render a corpus in this process into a local folder (no Redis, no S3): the embedded default."""
     from voxbatch.models import SynthesisParams
-    from worker.local import render_local
+    from voxbatch.worker.local import render_local
 
     settings = _settings(engine=engine, llm_backend=llm_backend, model_dir=str(model_dir) if model_dir else None,
                          output_format=format, storage_url=out.resolve().as_uri())
@@ -198,7 +198,7 @@ def voice_add(name: str, wav: Path = typer.Option(..., help="prompt audio (≤ 3
               text: str = typer.Option(..., help="transcript of the prompt audio"),
               model_dir: Optional[Path] = typer.Option(None, help="CosyVoice2 model directory (ONNX frontend)")):
     """Create a voice profile from a prompt recording and store it."""
-    from producer.voice import create_voice
+    from voxbatch.producer.voice import create_voice
     from voxbatch.storage import open_storage
     from voxbatch.voice import save_voice
 
@@ -217,7 +217,7 @@ def voice_add(name: str, wav: Path = typer.Option(..., help="prompt audio (≤ 3
 def model_make_tiny(out: Path, seed: int = typer.Option(0, help="seed of the random weights"),
                     force: bool = typer.Option(False, help="write into a non-empty folder")):
     """Write a tiny random CosyVoice2 model in the official layout (tests and demos; it makes noise)."""
-    from worker.cosyvoice2.tiny import make_tiny
+    from voxbatch.worker.cosyvoice2.tiny import make_tiny
 
     try:
         path = make_tiny(out, seed=seed, overwrite=force)

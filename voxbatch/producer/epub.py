@@ -1,0 +1,149 @@
+"""EPUB corpora: spine documents to chapters, titles from the table of contents (NCX or nav).
+
+HTML becomes text with one paragraph per block element (and per <br>); scripts, styles and the head
+are skipped; the navigation document and spine items with no text (cover images) are left out.
+A document that several TOC entries point into (anchors) is one chapter, titled by its first entry.
+"""
+
+from __future__ import annotations
+
+import zipfile
+from html.parser import HTMLParser
+from pathlib import Path, PurePosixPath
+
+import ebooklib
+from ebooklib import epub
+from lxml import etree
+
+from voxbatch.producer.readers import CorpusError, check_line_lengths
+from voxbatch.models import Chapter
+
+
+class _HtmlText(HTMLParser):
+    """HTML body to paragraphs: block elements and <br> end a paragraph; script/style/head are skipped."""
+
+    BLOCKS = frozenset(
+        "p div h1 h2 h3 h4 h5 h6 li ul ol dl dt dd blockquote pre section article aside header footer "
+        "table tr td th caption figure figcaption hr br title body html".split()
+    )
+    SKIP = frozenset("script style head svg math nav".split())  # <nav>: landmarks/page lists, not prose
+    HEADINGS = frozenset("h1 h2 h3".split())
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.paragraphs: list[str] = []
+        self.first_heading: str | None = None
+        self._buf: list[str] = []
+        self._skip = 0
+        self._heading: list[str] | None = None
+
+    def handle_starttag(self, tag: str, attrs: list) -> None:
+        if tag in self.SKIP:
+            self._skip += 1
+        elif tag in self.BLOCKS:
+            self._end_paragraph()
+            if tag in self.HEADINGS and self.first_heading is None:
+                self._heading = []
+
+    def handle_startendtag(self, tag: str, attrs: list) -> None:
+        if tag in self.BLOCKS:
+            self._end_paragraph()
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag in self.SKIP:
+            self._skip = max(0, self._skip - 1)
+        elif tag in self.BLOCKS:
+            if tag in self.HEADINGS and self._heading is not None:
+                self.first_heading = " ".join("".join(self._heading).split()) or None
+                self._heading = None
+            self._end_paragraph()
+
+    def handle_data(self, data: str) -> None:
+        if self._skip:
+            return
+        self._buf.append(data)
+        if self._heading is not None:
+            self._heading.append(data)
+
+    def _end_paragraph(self) -> None:
+        text = " ".join("".join(self._buf).split())
+        self._buf.clear()
+        if text:
+            self.paragraphs.append(text)
+
+    def close(self) -> None:
+        super().close()
+        self._end_paragraph()
+
+
+def html_to_paragraphs(html: str) -> tuple[list[str], str | None]:
+    """(paragraphs, first h1-h3 text) of an XHTML document."""
+    parser = _HtmlText()
+    parser.feed(html)
+    parser.close()
+    return parser.paragraphs, parser.first_heading
+
+
+def _toc_titles(toc: list) -> dict[str, str]:
+    """Document href (no fragment) -> TOC title pointing into it.
+
+    Leaf entries win over sections: a "Part One" section whose href is also its first chapter's file
+    should not rename that chapter. Within each kind, the first entry for a file wins.
+    """
+    leaves: dict[str, str] = {}
+    sections: dict[str, str] = {}
+
+    def add(into: dict[str, str], entry: object) -> None:
+        href, title = getattr(entry, "href", None), getattr(entry, "title", None)
+        if href and title and title.strip():
+            into.setdefault(_norm_href(href), title.strip())
+
+    def walk(entries: object) -> None:
+        # ebooklib gives a lone empty Link instead of a list for an empty NCX navMap.
+        for entry in entries if isinstance(entries, (list, tuple)) else [entries]:
+            if isinstance(entry, (tuple, list)):
+                add(sections, entry[0])
+                walk(entry[1])
+            else:
+                add(leaves, entry)
+
+    walk(toc)
+    return {**sections, **leaves}
+
+
+def _norm_href(href: str) -> str:
+    return str(PurePosixPath(href.split("#", 1)[0]))
+
+
+def read_epub(path: Path) -> list[Chapter]:
+    """Chapters of an EPUB: spine order, titles from the TOC (else the first heading, else the file name)."""
+    name = str(path)
+    try:
+        book = epub.read_epub(str(path), options={"ignore_ncx": False})
+    except (zipfile.BadZipFile, epub.EpubException, etree.XMLSyntaxError, KeyError, OSError) as e:
+        raise CorpusError(f"{name}: not a readable EPUB ({type(e).__name__}: {e})") from None
+    titles = _toc_titles(book.toc)
+    chapters: list[Chapter] = []
+    for idref, *_ in book.spine:
+        item = book.get_item_with_id(idref)
+        if item is None or item.get_type() != ebooklib.ITEM_DOCUMENT or isinstance(item, epub.EpubNav):
+            continue
+        where = f"{name}#{item.get_name()}"
+        raw = item.get_content()
+        if raw.startswith(b"\xef\xbb\xbf"):
+            raw = raw[3:]
+        try:
+            html = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            bad = f"invalid byte 0x{raw[e.start]:02x} at offset {e.start}"
+            raise CorpusError(f"{where}: not UTF-8 text ({bad})") from None
+        paragraphs, heading = html_to_paragraphs(html)
+        if not paragraphs:
+            continue  # cover images, empty nav pages
+        text = "\n".join(paragraphs)
+        check_line_lengths(text, where, unit="paragraph")
+        title = titles.get(_norm_href(item.get_name())) or heading or PurePosixPath(item.get_name()).stem
+        chapters.append(Chapter(index=len(chapters), title=title, text="\n\n".join(paragraphs), source=where))
+    if not chapters:
+        raise CorpusError(f"{name}: no text (empty corpus: no spine document has text)")
+    return chapters

@@ -1,0 +1,43 @@
+"""The `voxbatch.assemble` Celery task, run by `voxbatch assembler` on the CPU `assemble` queue.
+
+Exactly one is enqueued per job (the job store's `finish` script elects the sender). Assembly is
+idempotent (it rewrites chapters, subtitles and manifest from the stored segments), so a retry after
+a transient storage error is safe; after the last retry the job is marked `failed` and
+`voxbatch retry JOB` can enqueue the assembly again.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from voxbatch.celery_app import ASSEMBLE_TASK, app
+from voxbatch.jobstate import RedisJobStore
+from voxbatch.settings import load_settings
+from voxbatch.storage import open_storage
+
+log = logging.getLogger(__name__)
+MAX_RETRIES = 3
+
+
+@app.task(name=ASSEMBLE_TASK, bind=True, max_retries=MAX_RETRIES)
+def assemble(self, job_id: str) -> dict:
+    from voxbatch.producer.assemble import assemble_job
+    from voxbatch.producer.submit import load_spec
+
+    settings = load_settings()
+    jobs = RedisJobStore.from_url(settings.broker_url)
+    state = jobs.state(job_id)
+    if state != "assembling":
+        log.info("job %s is %s, not assembling: nothing to do", job_id, state)
+        return {"job": job_id, "skipped": True}
+    storage = open_storage(settings)
+    try:
+        manifest = assemble_job(storage, load_spec(storage, job_id), jobs.failed(job_id), None, settings)
+    except Exception as e:
+        if self.request.retries >= MAX_RETRIES:
+            log.error("job %s: assembly failed for good: %s", job_id, e)
+            jobs.set_state(job_id, "failed")
+            raise
+        raise self.retry(exc=e, countdown=2 ** self.request.retries) from e
+    jobs.set_state(job_id, manifest.state)
+    return {"job": job_id, "state": manifest.state}

@@ -1,0 +1,370 @@
+"""The CosyVoice2 engine: text -> LLM speech tokens -> flow mel -> HiFT waveform, batched end to end.
+
+    requests ──tokenize──> LlmRequest per mode ──LlmBackend.generate──> speech tokens, as each row stops
+             ──length buckets──> flow (voice prompt tokens / mel / embedding) ──speed──> HiFT ──> audio
+
+Sequences leave the LLM at different times; each finished one goes into a bucket of similar token
+length, and a bucket runs through flow + HiFT as one padded batch as soon as it is full (or when the
+LLM has nothing left), so the acoustic models work while the LLM still decodes the long rows and
+padding stays below 2x. Both acoustic models are batch-invariant (masks, per-row noise), so a segment
+sounds the same whichever batch it lands in; the LLM samples with a per-request seed.
+
+How each mode builds the LLM input (as the official CosyVoice2 frontend does):
+  zero_shot     text = prompt_text ++ text, prompt speech = the voice's speech tokens
+  cross_lingual text = text,                prompt speech = none
+  instruct2     text = instruct_text + "<|endofprompt|>" ++ text, prompt speech = none
+The flow is always conditioned on the voice (prompt tokens, prompt mel, speaker embedding).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from voxbatch.models import SynthesisParams
+from voxbatch.settings import Settings
+from voxbatch.voice import VoiceProfile
+from voxbatch.worker.cosyvoice2.flow import CausalFlow
+from voxbatch.worker.cosyvoice2.hift import HiFTGenerator
+from voxbatch.worker.cosyvoice2.hub import resolve_model_dir
+from voxbatch.worker.cosyvoice2.llm_backend import LlmBackend, LlmRequest
+from voxbatch.worker.cosyvoice2.tokenizer import CosyVoice2Tokenizer
+from voxbatch.worker.engine import Engine, SynthesisRequest, SynthesisResult
+
+log = logging.getLogger(__name__)
+
+END_OF_PROMPT = "<|endofprompt|>"
+MIN_TOKENS_PER_TEXT_TOKEN = 2  # official Qwen2LM min_len ratio
+MAX_TOKENS_PER_TEXT_TOKEN = 20  # official Qwen2LM max_len ratio
+WARMUP_TEXT = "Warm up the engine."
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Devices and dtypes of the three networks (GPU: bf16 LLM, fp16 flow, fp32 HiFT; CPU: all fp32)."""
+
+    llm_device: str
+    flow_device: str
+    hift_device: str
+    llm_dtype: torch.dtype
+    flow_dtype: torch.dtype  # fp16 over bf16: mel max abs error 6e-3 vs 5e-2 (measured, flow.py)
+    hift_dtype: torch.dtype
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Placement:
+        default = "cuda:0" if torch.cuda.is_available() else "cpu"
+        llm = settings.llm_device or default
+        flow = settings.flow_device or llm
+        hift = settings.hift_device or flow
+
+        def pick(device: str, gpu_dtype: torch.dtype) -> torch.dtype:
+            return gpu_dtype if torch.device(device).type == "cuda" else torch.float32
+
+        llm_gpu_dtype = torch.float32 if settings.llm_dtype == "float32" else torch.bfloat16
+        return cls(llm, flow, hift, pick(llm, llm_gpu_dtype), pick(flow, torch.float16), torch.float32)
+
+
+@dataclass(frozen=True, eq=False)
+class PreparedVoice:
+    """A voice profile as the engine uses it: text ids for the LLM, tensors on the flow device."""
+
+    name: str
+    prompt_text_tokens: list[int]  # (T_ptext,) Qwen ids of the transcript
+    prompt_speech_tokens: list[int]  # (T_p,) speech tokens of the prompt
+    flow_tokens: torch.Tensor  # (T_p,) long
+    prompt_mel: torch.Tensor  # (T_pm, 80) fp32, T_pm = 2 T_p
+    embedding: torch.Tensor  # (192,) fp32
+
+
+class VoiceCache:
+    """LRU of prepared voices; a miss loads the profile through `load` (storage) once."""
+
+    def __init__(self, load: Callable[[str], VoiceProfile], prepare: Callable[[VoiceProfile], PreparedVoice], size: int = 32):
+        self._load, self._prepare, self._size = load, prepare, size
+        self._voices: OrderedDict[str, PreparedVoice] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, name: str) -> PreparedVoice:
+        with self._lock:
+            if name in self._voices:
+                self._voices.move_to_end(name)
+                return self._voices[name]
+        voice = self._prepare(self._load(name))
+        with self._lock:
+            self._voices[name] = voice
+            while len(self._voices) > self._size:
+                self._voices.popitem(last=False)
+        return voice
+
+
+@dataclass
+class _Item:
+    """One request on its way through the engine."""
+
+    request: SynthesisRequest
+    voice: PreparedVoice
+    llm: LlmRequest
+    tokens: list[int] | None = None  # speech tokens once the LLM is done with it
+
+
+def _bucket(n_tokens: int) -> int:
+    """Length bucket of a finished sequence: rows within a factor of 2 share a flow batch."""
+    return max(n_tokens, 1).bit_length()
+
+
+def _pad(rows: list[torch.Tensor], lengths: list[int]) -> torch.Tensor:
+    """Right-pad (T_i, ...) tensors into (B, max T, ...) with zeros (B=1, T=0 rows give width 0)."""
+    width = max(lengths) if lengths else 0
+    out = rows[0].new_zeros((len(rows), width, *rows[0].shape[1:]))
+    for i, (row, n) in enumerate(zip(rows, lengths)):
+        out[i, :n] = row[:n]
+    return out
+
+
+def time_scale(mel: torch.Tensor, speed: float) -> torch.Tensor:
+    """(80, T_mel) -> (80, int(T_mel / speed)) by linear interpolation (speed > 1 is faster speech)."""
+    if speed == 1.0:
+        return mel
+    frames = max(int(mel.shape[1] / speed), 1)
+    return F.interpolate(mel[None], size=frames, mode="linear")[0]
+
+
+class CosyVoice2Engine(Engine):
+    name = "cosyvoice2"
+
+    def __init__(
+        self,
+        tokenizer: CosyVoice2Tokenizer,
+        llm: LlmBackend,
+        flow: CausalFlow,
+        hift: HiFTGenerator,
+        load_voice: Callable[[str], VoiceProfile],
+        speech_token_size: int,
+        max_batch: int = 64,  # requests `synthesize` takes at once (the LLM decodes them together)
+        flow_batch: int = 16,  # most rows in one flow + HiFT batch
+        voice_cache_size: int = 32,
+    ):
+        self.tokenizer, self.llm, self.flow, self.hift = tokenizer, llm, flow, hift
+        self.max_batch, self.flow_batch = max_batch, flow_batch
+        self.speech_token_size = speech_token_size
+        self.sample_rate = hift.d.sampling_rate
+        self.samples_per_token = flow.dims.token_mel_ratio * hift.d.samples_per_frame  # 960 at 24 kHz
+        self.end_of_prompt = tokenizer.token_id(END_OF_PROMPT)
+        self.voices = VoiceCache(load_voice, self.prepare_voice, voice_cache_size)
+
+    # -- building ----------------------------------------------------------------------------------
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> CosyVoice2Engine:
+        """Resolve the model dir (or download), load all parts on their devices, voices from storage."""
+        from voxbatch.storage import open_storage
+        from voxbatch.voice import load_voice
+
+        model_dir = resolve_model_dir(settings.model_dir)
+        storage = open_storage(settings)
+        return cls.from_model_dir(
+            model_dir,
+            load_voice=lambda name: load_voice(storage, name),
+            placement=Placement.from_settings(settings),
+            llm_backend=settings.llm_backend,
+            max_batch=settings.engine_max_batch,
+            flow_batch=settings.engine_flow_batch,
+            settings=settings.model_copy(update={"model_dir": str(model_dir)}),
+        )
+
+    @classmethod
+    def from_model_dir(
+        cls,
+        model_dir: str | Path,
+        load_voice: Callable[[str], VoiceProfile],
+        placement: Placement | None = None,
+        llm_backend: str = "torch",
+        max_batch: int = 64,
+        flow_batch: int = 16,
+        settings: Settings | None = None,  # the vllm backend reads its options from settings
+    ) -> CosyVoice2Engine:
+        from voxbatch.worker.cosyvoice2.llm import LlmDims
+
+        model_dir = resolve_model_dir(model_dir)
+        p = placement or Placement.from_settings(Settings(model_dir=str(model_dir)))
+        tokenizer = CosyVoice2Tokenizer.from_model_dir(model_dir)
+        dims = LlmDims.from_model_dir(model_dir)
+        if llm_backend == "torch":
+            from voxbatch.worker.cosyvoice2.torch_backend import TorchLlmBackend
+
+            llm: LlmBackend = TorchLlmBackend.from_model_dir(model_dir, device=p.llm_device, dtype=p.llm_dtype, max_batch=max_batch)
+        elif llm_backend == "vllm":
+            from voxbatch.worker.cosyvoice2.vllm_backend import VllmLlmBackend
+
+            llm = VllmLlmBackend.from_settings(settings or Settings(model_dir=str(model_dir), engine_max_batch=max_batch))
+        else:
+            raise ValueError(f"unknown llm_backend {llm_backend!r} (torch or vllm)")
+        if any(torch.device(d).type == "cuda" for d in (p.flow_device, p.hift_device)):
+            # HiFT's transposed convolutions run cuDNN backward-data kernels, some of which accumulate
+            # with atomics: on an H200 the same mel and seed gave different audio run to run (the LLM and
+            # flow were bit-stable). Deterministic algorithms make a re-rendered segment identical.
+            torch.backends.cudnn.deterministic = True
+        flow = CausalFlow.from_model_dir(model_dir, device=p.flow_device, dtype=p.flow_dtype)
+        if settings is not None and settings.flow_compile and torch.device(p.flow_device).type == "cuda":
+            flow.decoder.compile_estimator()  # compiled by warmup(), before the first task
+        hift = HiFTGenerator.from_model_dir(model_dir, device=p.hift_device, dtype=p.hift_dtype)
+        log.info("cosyvoice2 engine: %s; llm=%s on %s, flow on %s, hift on %s", model_dir, llm.name, p.llm_device, p.flow_device, p.hift_device)
+        return cls(tokenizer, llm, flow, hift, load_voice, dims.speech_token_size, max_batch=max_batch, flow_batch=flow_batch)
+
+    # -- voices ------------------------------------------------------------------------------------
+
+    def prepare_voice(self, profile: VoiceProfile) -> PreparedVoice:
+        tokens = profile.prompt_speech_tokens.astype(np.int64)
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= self.speech_token_size):
+            raise ValueError(
+                f"voice {profile.name!r}: speech token {int(tokens.max())} outside this model's {self.speech_token_size} "
+                "tokens (made with another model? re-create it with `voxbatch voice add`)"
+            )
+        if profile.sample_rate != self.sample_rate:
+            raise ValueError(f"voice {profile.name!r}: prompt mel at {profile.sample_rate} Hz, the model runs at {self.sample_rate} Hz")
+        device = self.flow.encoder_proj.weight.device
+        return PreparedVoice(
+            name=profile.name,
+            prompt_text_tokens=self.tokenizer.encode(profile.prompt_text) if profile.prompt_text else [],
+            prompt_speech_tokens=tokens.tolist(),
+            flow_tokens=torch.from_numpy(tokens).to(device),
+            prompt_mel=torch.from_numpy(profile.prompt_mel).to(device),
+            embedding=torch.from_numpy(profile.speaker_embedding).to(device),
+        )
+
+    def empty_voice(self) -> PreparedVoice:
+        """No prompt at all (warm-up, or speech with the model's own default speaker)."""
+        device = self.flow.encoder_proj.weight.device
+        return PreparedVoice(
+            name="",
+            prompt_text_tokens=[],
+            prompt_speech_tokens=[],
+            flow_tokens=torch.zeros(0, dtype=torch.long, device=device),
+            prompt_mel=torch.zeros(0, 80, device=device),
+            embedding=torch.zeros(192, device=device),
+        )
+
+    # -- the LLM request of one segment -------------------------------------------------------------
+
+    def llm_request(self, request: SynthesisRequest, voice: PreparedVoice) -> LlmRequest:
+        """Tokenize and compose the LLM input for the request's mode; length bounds from the text."""
+        p: SynthesisParams = request.params
+        text = self.tokenizer.encode(request.text)
+        if not text:
+            raise ValueError("text has no tokens")
+        if p.mode == "zero_shot":
+            prefix, prompt_speech = voice.prompt_text_tokens, voice.prompt_speech_tokens
+        elif p.mode == "cross_lingual":
+            prefix, prompt_speech = [], []
+        elif p.mode == "instruct2":
+            instruct = p.instruct_text or ""
+            if END_OF_PROMPT not in instruct:
+                instruct += END_OF_PROMPT
+            prefix, prompt_speech = self.tokenizer.encode(instruct), []
+        else:
+            raise ValueError(f"unknown mode {p.mode!r}")
+        max_tokens = MAX_TOKENS_PER_TEXT_TOKEN * len(text)
+        if p.max_tokens is not None:
+            max_tokens = min(max_tokens, p.max_tokens)
+        # The one place max_tokens meets the backend's capacity: `max_seq` is the torch backend's KV
+        # cache length and the vllm backend's max_model_len; either rejects a request past it.
+        max_seq = getattr(self.llm, "max_seq", None)
+        prompt_len = len(prefix) + len(text) + len(prompt_speech) + 2  # sos + text + task_id + speech
+        if max_seq is not None and prompt_len + max_tokens > max_seq:
+            if prompt_len >= max_seq:
+                raise ValueError(f"prompt of {prompt_len} tokens does not fit the LLM's {max_seq} positions")
+            max_tokens = max_seq - prompt_len
+        return LlmRequest(
+            text_tokens=list(prefix) + text,
+            prompt_speech_tokens=list(prompt_speech),
+            min_tokens=min(MIN_TOKENS_PER_TEXT_TOKEN * len(text), max_tokens),
+            max_tokens=max_tokens,
+            seed=request.seed,
+            top_p=p.top_p,
+            top_k=p.top_k,
+            win_size=p.win_size,
+            tau_r=p.tau_r,
+        )
+
+    # -- synthesis ---------------------------------------------------------------------------------
+
+    def warmup(self) -> None:
+        """One short request with no voice prompt (no stored voice needed) through every part; then the
+        LLM backend's own warm-up (the torch backend captures its CUDA graphs for every row count), so
+        no task pays for it."""
+        request = SynthesisRequest("warmup", WARMUP_TEXT, "", 0, SynthesisParams(max_tokens=50))
+        voice = self.empty_voice()
+        # A compiled flow estimator specialises batch 1: two requests compile the batched graph too.
+        n = 2 if self.flow.decoder.compiled_estimator is not None else 1
+        items = [_Item(request, voice, self.llm_request(request, voice)) for _ in range(n)]
+        for result in self._run(items):
+            if result.error:
+                raise RuntimeError(f"cosyvoice2 warm-up failed: {result.error}")
+        backend_warmup = getattr(self.llm, "warmup", None)
+        if backend_warmup is not None:
+            backend_warmup()
+
+    def synthesize(self, batch: list[SynthesisRequest]) -> Iterator[SynthesisResult]:
+        items: list[_Item] = []
+        for request in batch:
+            try:
+                voice = self.voices.get(request.voice)
+                items.append(_Item(request, voice, self.llm_request(request, voice)))
+            except (LookupError, ValueError) as e:  # a missing/bad voice or text fails that segment only
+                yield SynthesisResult(request, None, f"{type(e).__name__}: {e}")
+        yield from self._run(items)
+
+    def _run(self, items: list[_Item]) -> Iterator[SynthesisResult]:
+        if not items:
+            return
+        buckets: dict[int, list[_Item]] = {}
+        for result in self.llm.generate([item.llm for item in items]):
+            item = items[result.index]
+            if not result.tokens:
+                yield SynthesisResult(item.request, None, "the LLM stopped before any speech token")
+                continue
+            item.tokens = result.tokens
+            bucket = buckets.setdefault(_bucket(len(result.tokens)), [])
+            bucket.append(item)
+            if len(bucket) >= self.flow_batch:
+                yield from self.vocode(buckets.pop(_bucket(len(result.tokens))))
+        for key in sorted(buckets, reverse=True):
+            yield from self.vocode(buckets[key])
+
+    def vocode(self, items: list[_Item]) -> Iterator[SynthesisResult]:
+        """Finished speech tokens -> audio: one flow batch, per-row speed, one HiFT batch."""
+        with torch.inference_mode():
+            audio = self._vocode([item.tokens or [] for item in items], [item.voice for item in items],
+                                 [item.request.params.speed for item in items], [item.request.seed for item in items])
+        for item, wav in zip(items, audio):
+            yield SynthesisResult(item.request, wav)
+
+    def _vocode(self, tokens: list[list[int]], voices: list[PreparedVoice], speeds: list[float], seeds: list[int]) -> list[np.ndarray]:
+        flow_dev = self.flow.encoder_proj.weight.device
+        tok_lens = [len(t) for t in tokens]
+        tok = _pad([torch.tensor(t, dtype=torch.long) for t in tokens], tok_lens).to(flow_dev)  # (B, T_tok)
+        p_lens = [v.flow_tokens.shape[0] for v in voices]
+        pm_lens = [v.prompt_mel.shape[0] for v in voices]
+        prompt_tok = _pad([v.flow_tokens for v in voices], p_lens)  # (B, T_p)
+        prompt_mel = _pad([v.prompt_mel for v in voices], pm_lens)  # (B, T_pm, 80)
+        embedding = torch.stack([v.embedding for v in voices])  # (B, 192)
+        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=flow_dev)  # noqa: E731
+        mels = self.flow.inference(tok, as_tensor(tok_lens), prompt_tok, as_tensor(p_lens), prompt_mel,
+                                   as_tensor(pm_lens), embedding)  # B x (80, T_mel_i) fp32
+        hift_dev = self.hift.conv_pre.weight.device
+        mels = [time_scale(m, s).to(hift_dev) for m, s in zip(mels, speeds)]
+        mel_lens = [m.shape[1] for m in mels]
+        mel = _pad([m.transpose(0, 1) for m in mels], mel_lens).transpose(1, 2)  # (B, 80, T_mel)
+        generators = [torch.Generator(device=hift_dev).manual_seed(s) for s in seeds]
+        wav, _ = self.hift.inference(mel, torch.tensor(mel_lens, device=hift_dev), generators)  # (B, T_wav)
+        wav = wav.float().cpu().numpy()
+        spf = self.hift.d.samples_per_frame
+        return [np.ascontiguousarray(wav[i, : n * spf]) for i, n in enumerate(mel_lens)]

@@ -1,0 +1,251 @@
+"""CosyVoice2 flow: speech tokens -> mel (official `CausalMaskedDiffWithXvec` inference), batched.
+
+    tokens = prompt_tokens ++ tokens                                  (B, T_tok)
+    h = encoder(input_embedding(tokens))                              (B, T_mel, D), T_mel = 2 T_tok
+    mu = encoder_proj(h)                                              (B, 80, T_mel)
+    spks = spk_embed_affine_layer(l2_normalize(embedding))            (B, 80)
+    cond = prompt mel in the first T_pm frames, zeros after          (B, 80, T_mel)
+    mel = Euler ODE from fixed noise, 10 steps on t = 1 - cos(pi/2 s), classifier-free guidance
+          v = 1.7 * v(x | mu, spks, cond) - 0.7 * v(x | 0, 0, 0)
+    output = mel[:, :, T_pm:]
+
+Batching: rows of different token and prompt lengths run as one padded batch. The result of each
+row equals a one-row call: masks everywhere (see flow_encoder / flow_estimator), the fixed noise is
+sliced from frame 0 for every row exactly as a single call slices it, and both CFG branches of all
+rows go through the estimator as one batch of 2B.
+
+Precision: the modules run in the dtype they were loaded in (fp32 on CPU; bf16/fp16 on GPU); the ODE
+state x, its noise and the Euler updates stay fp32. Note: fp32 on CUDA runs cuDNN convolutions in
+TF32 by PyTorch's default (`torch.backends.cudnn.allow_tf32`), which moves mels by ~4e-3; the caller
+owns that global switch. Measured on an H200 against the fp32 CPU reference: fp16 max abs 6e-3,
+bf16 max abs 5e-2 (mels span about +-5).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from voxbatch.worker.cosyvoice2.checkpoint import ModelDirError, check_keys, load_state_dict, read_config, section
+from voxbatch.worker.cosyvoice2.flow_encoder import EncoderDims, UpsampleConformerEncoder, length_mask
+from voxbatch.worker.cosyvoice2.flow_estimator import CausalConditionalDecoder, EstimatorDims
+
+# Fixed by the official code, not the yaml.
+N_TIMESTEPS = 10
+NOISE_SEED = 0
+NOISE_FRAMES = 15000  # 50 * 300: the longest mel (prompt included) one call can produce
+
+
+@dataclass(frozen=True)
+class FlowDims:
+    vocab_size: int
+    input_size: int  # token embedding width (512)
+    output_size: int  # mel bins (80)
+    spk_embed_dim: int  # speaker embedding width (192)
+    token_mel_ratio: int
+    pre_lookahead_len: int
+    inference_cfg_rate: float
+    encoder: EncoderDims
+    estimator: EstimatorDims
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> FlowDims:
+        flow = section(config, "flow")
+        cfm = section(config, "flow", "decoder", "cfm_params", "content")
+        if cfm.get("t_scheduler") != "cosine" or cfm.get("solver") != "euler":
+            raise ModelDirError(f"cosyvoice2.yaml: only the cosine/euler CFM is implemented, got {cfm}")
+        return cls(
+            vocab_size=int(flow["vocab_size"]),
+            input_size=int(flow["input_size"]),
+            output_size=int(flow["output_size"]),
+            spk_embed_dim=int(flow["spk_embed_dim"]),
+            token_mel_ratio=int(flow["token_mel_ratio"]),
+            pre_lookahead_len=int(flow["pre_lookahead_len"]),
+            inference_cfg_rate=float(cfm["inference_cfg_rate"]),
+            encoder=EncoderDims.from_config(flow),
+            estimator=EstimatorDims.from_config(section(config, "flow", "decoder", "estimator")),
+        )
+
+
+def fixed_noise(device: torch.device | str = "cpu") -> torch.Tensor:
+    """The official start noise, `manual_seed(0); randn(1, 80, 15000)`, from a private generator."""
+    gen = torch.Generator(device="cpu").manual_seed(NOISE_SEED)
+    return torch.randn(1, 80, NOISE_FRAMES, generator=gen).to(device)
+
+
+def cosine_t_span(n_steps: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """(n_steps + 1,) times 1 - cos(pi/2 * s) for s evenly spaced in [0, 1]."""
+    s = torch.linspace(0, 1, n_steps + 1, device=device, dtype=torch.float32)
+    return 1 - torch.cos(s * 0.5 * math.pi)
+
+
+class ConditionalFlowMatching(nn.Module):
+    """Euler solver with classifier-free guidance around the U-Net estimator."""
+
+    def __init__(self, dims: FlowDims):
+        super().__init__()
+        self.cfg_rate = dims.inference_cfg_rate
+        self.estimator = CausalConditionalDecoder(dims.estimator)
+        self.noise: torch.Tensor | None = None  # (1, 80, 15000) fp32, set by CausalFlow.from_model_dir / init_noise
+        self.compiled_estimator: Callable[..., torch.Tensor] | None = None  # set by compile_estimator
+
+    def compile_estimator(self, enabled: bool = True) -> None:
+        """Run the estimator through torch.compile (dynamic shapes: one graph for every B and T).
+
+        The estimator is called 10 times per batch and most of its kernels are small elementwise ops
+        (LayerNorm, GELU, adds, masks) that inductor fuses. Kept as a plain callable, not a
+        submodule, so the state dict is unchanged; `enabled=False` goes back to eager.
+        """
+        if not enabled:
+            self.compiled_estimator = None
+        elif self.compiled_estimator is None:
+            self.compiled_estimator = torch.compile(self.estimator.forward, dynamic=True)
+
+    def forward(
+        self,
+        mu: torch.Tensor,
+        mask: torch.Tensor,
+        spks: torch.Tensor,
+        cond: torch.Tensor,
+        n_steps: int = N_TIMESTEPS,
+        streaming: bool = False,
+    ) -> torch.Tensor:
+        """mu, cond (B, 80, T_mel); mask (B, 1, T_mel); spks (B, 80) -> mel (B, 80, T_mel) fp32."""
+        B, C, T = mu.shape
+        if self.noise is None or self.noise.size(2) < T:
+            raise ValueError(f"flow: {T} mel frames requested; the fixed noise covers {NOISE_FRAMES}")
+        x = self.noise[:, :, :T].to(mu.device, torch.float32).expand(B, -1, -1)  # (B, 80, T), same slice per row
+        t_span = cosine_t_span(n_steps, mu.device)
+        # The guided (rows :B) and unconditional (rows B:) branches as one batch of 2B.
+        mask_in = torch.cat([mask, mask])
+        mu_in = torch.cat([mu, torch.zeros_like(mu)])
+        spks_in = torch.cat([spks, torch.zeros_like(spks)])
+        cond_in = torch.cat([cond, torch.zeros_like(cond)])
+        # Time advances as the official solver does it (t += dt, dt = t_span[k+1] - t), in fp32.
+        t, dt = t_span[0:1], t_span[1] - t_span[0]
+        estimator = self.compiled_estimator or self.estimator
+        for step in range(1, n_steps + 1):
+            v = estimator(
+                torch.cat([x, x]), mask_in, mu_in, t.expand(2 * B), spks_in, cond_in, streaming=streaming
+            ).float()
+            v_cond, v_uncond = v[:B], v[B:]
+            x = x + dt * ((1.0 + self.cfg_rate) * v_cond - self.cfg_rate * v_uncond)
+            t = t + dt
+            if step < n_steps:
+                dt = t_span[step + 1] - t
+        return x
+
+
+class CausalFlow(nn.Module):
+    """State-dict compatible with the official `CausalMaskedDiffWithXvec` (flow.pt)."""
+
+    def __init__(self, dims: FlowDims):
+        super().__init__()
+        self.dims = dims
+        self.input_embedding = nn.Embedding(dims.vocab_size, dims.input_size)
+        self.spk_embed_affine_layer = nn.Linear(dims.spk_embed_dim, dims.output_size)
+        self.encoder = UpsampleConformerEncoder(dims.encoder)
+        self.encoder_proj = nn.Linear(dims.encoder.output_size, dims.output_size)
+        self.decoder = ConditionalFlowMatching(dims)
+
+    # -- loading --------------------------------------------------------------------------------
+
+    @classmethod
+    def from_model_dir(
+        cls, model_dir: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+    ) -> CausalFlow:
+        """Build from `cosyvoice2.yaml` + `flow.pt` (strict keys; errors name the file and the keys)."""
+        dims = FlowDims.from_config(read_config(model_dir))
+        with torch.device("meta"):
+            model = cls(dims)
+        state = load_state_dict(model_dir, "flow.pt")
+        check_keys(str(Path(model_dir) / "flow.pt"), set(state), set(model.state_dict()))
+        model.load_state_dict(state, strict=True, assign=True)
+        model = model.to(device=device, dtype=dtype).eval()
+        model.decoder.noise = fixed_noise(device)
+        return model
+
+    # -- pieces ---------------------------------------------------------------------------------
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.encoder_proj.weight.dtype
+
+    def speaker(self, embedding: torch.Tensor) -> torch.Tensor:
+        """(B, 192) speaker embedding -> (B, 80), after L2 normalization."""
+        return self.spk_embed_affine_layer(F.normalize(embedding.to(self.dtype), dim=1))
+
+    def encode(
+        self, tokens: torch.Tensor, token_lens: torch.Tensor, streaming: bool = False, finalize: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens (B, T_tok) padded, prompt included -> mu (B, 80, T_mel), mel lengths (B,)."""
+        valid = length_mask(token_lens, tokens.size(1))[..., None]  # (B, T_tok, 1)
+        x = self.input_embedding(tokens.clamp(min=0)) * valid.to(self.dtype)  # (B, T_tok, D)
+        h, mel_lens = self.encoder(x, token_lens, streaming=streaming, finalize=finalize)
+        mu = self.encoder_proj(h) * length_mask(mel_lens, h.size(1))[..., None].to(h.dtype)  # (B, T_mel, 80)
+        return mu.transpose(1, 2), mel_lens
+
+    # -- inference ------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def inference(
+        self,
+        tokens: torch.Tensor,
+        token_lens: torch.Tensor,
+        prompt_tokens: torch.Tensor,
+        prompt_lens: torch.Tensor,
+        prompt_feat: torch.Tensor,
+        prompt_feat_lens: torch.Tensor,
+        embedding: torch.Tensor,
+        streaming: bool = False,
+        finalize: bool = True,
+    ) -> list[torch.Tensor]:
+        """B segments -> B mels (80, T_mel_i) fp32, prompt frames removed.
+
+        tokens (B, T_tok), prompt_tokens (B, T_p), prompt_feat (B, T_pm, 80): padded, with lengths
+        (B,) each; embedding (B, 192). `finalize=False` is one non-final streaming call: the last
+        `pre_lookahead_len` tokens of each row are look-ahead context and produce no frames.
+        """
+        device = self.encoder_proj.weight.device
+        tokens, prompt_tokens = tokens.to(device).long(), prompt_tokens.to(device).long()
+        token_lens, prompt_lens = token_lens.to(device).long(), prompt_lens.to(device).long()
+        prompt_feat_lens = prompt_feat_lens.to(device).long()
+
+        all_tokens, all_lens = _concat_padded(prompt_tokens, prompt_lens, tokens, token_lens)  # (B, T_p + T_tok)
+        mu, mel_lens = self.encode(all_tokens, all_lens, streaming=streaming, finalize=finalize)
+        B, _, T = mu.shape
+        if bool((prompt_feat_lens > mel_lens).any()):
+            raise ValueError("flow: a prompt mel is longer than its row's mel output")
+
+        frame_ok = length_mask(mel_lens, T)  # (B, T)
+        prompt_ok = length_mask(prompt_feat_lens, T)  # (B, T)
+        feat = prompt_feat.to(device, self.dtype)[:, :T]
+        feat = F.pad(feat, (0, 0, 0, T - feat.size(1)))  # (B, T, 80)
+        cond = (feat * prompt_ok[..., None].to(feat.dtype)).transpose(1, 2)  # (B, 80, T)
+        mask = frame_ok[:, None].to(self.dtype)  # (B, 1, T)
+
+        mel = self.decoder(mu, mask, self.speaker(embedding.to(device)), cond, streaming=streaming)
+        return [mel[i, :, int(prompt_feat_lens[i]) : int(mel_lens[i])] for i in range(B)]
+
+
+def _concat_padded(
+    a: torch.Tensor, a_lens: torch.Tensor, b: torch.Tensor, b_lens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row a[:a_len] ++ b[:b_len], right-padded with 0: (B, T_a + T_b), lengths (B,)."""
+    B, T_a = a.shape
+    T = T_a + b.size(1)
+    pos = torch.arange(T, device=a.device)[None, :].expand(B, T)  # (B, T)
+    in_a = pos < a_lens[:, None]
+    from_a = a.gather(1, pos.clamp(max=T_a - 1)) if T_a > 0 else torch.zeros_like(pos)
+    b_pos = (pos - a_lens[:, None]).clamp(min=0, max=max(b.size(1) - 1, 0))
+    from_b = b.gather(1, b_pos) if b.size(1) > 0 else torch.zeros_like(pos)
+    lens = a_lens + b_lens
+    out = torch.where(in_a, from_a, from_b) * length_mask(lens, T)
+    return out[:, : int(lens.max())], lens

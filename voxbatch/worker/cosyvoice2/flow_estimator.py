@@ -1,0 +1,262 @@
+"""The flow-matching vector field: a causal conditional 1-D U-Net (official `CausalConditionalDecoder`).
+
+Input per frame: noisy mel x, encoder mean mu, speaker vector spks (broadcast over time) and the
+prompt-mel condition, stacked on channels (4 x 80 = 320). One level of
+
+    causal resnet (+ time embedding) -> transformer blocks -> causal conv
+
+down, `num_mid_blocks` resnet+transformer mid blocks, one level up with the skip connection, a final
+causal block and a 1x1 projection to 80 mel channels.
+
+Every conv is causal (left padding only) and its input is zeroed outside the mask, and attention
+masks padding keys, so a padded row yields exactly what the unpadded row would. Streaming uses a
+static chunk mask (`static_chunk_size` frames) in every attention.
+
+Module and parameter names mirror the official ones (Matcha-TTS blocks) so `flow.pt` loads
+unchanged; parameter-free slots of the official `nn.Sequential`s are `nn.Identity` placeholders.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from voxbatch.worker.cosyvoice2.checkpoint import ModelDirError
+from voxbatch.worker.cosyvoice2.flow_encoder import attention_mask
+
+
+@dataclass(frozen=True)
+class EstimatorDims:
+    in_channels: int  # 320 = x, mu, spks, cond stacked
+    out_channels: int  # 80 mel bins
+    channels: int  # U-Net width (official list of one entry)
+    attention_head_dim: int
+    num_heads: int
+    n_blocks: int  # transformer blocks per level
+    num_mid_blocks: int
+    static_chunk_size: int  # streaming chunk, in mel frames
+    num_decoding_left_chunks: int  # <0: all left chunks
+
+    @classmethod
+    def from_config(cls, estimator_cfg: dict[str, Any]) -> EstimatorDims:
+        channels = list(estimator_cfg["channels"])
+        if len(channels) != 1:
+            raise ModelDirError(
+                f"cosyvoice2.yaml: flow.decoder.estimator.channels = {channels}; only one U-Net level is implemented"
+            )
+        if estimator_cfg.get("act_fn", "gelu") != "gelu":
+            raise ModelDirError(f"cosyvoice2.yaml: estimator act_fn {estimator_cfg['act_fn']!r} is not implemented")
+        return cls(
+            in_channels=int(estimator_cfg["in_channels"]),
+            out_channels=int(estimator_cfg["out_channels"]),
+            channels=int(channels[0]),
+            attention_head_dim=int(estimator_cfg["attention_head_dim"]),
+            num_heads=int(estimator_cfg["num_heads"]),
+            n_blocks=int(estimator_cfg["n_blocks"]),
+            num_mid_blocks=int(estimator_cfg["num_mid_blocks"]),
+            static_chunk_size=int(estimator_cfg.get("static_chunk_size", 0)),
+            num_decoding_left_chunks=int(estimator_cfg.get("num_decoding_left_chunks", -1)),
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Time embedding
+
+
+def timestep_sinusoids(t: torch.Tensor, dim: int, scale: float = 1000.0) -> torch.Tensor:
+    """(B,) flow time in [0, 1] -> (B, dim) [sin | cos], computed in fp32 (1000*t is too big for fp16)."""
+    half = dim // 2
+    freq = torch.exp(torch.arange(half, device=t.device, dtype=torch.float32) * -(math.log(10000) / (half - 1)))
+    arg = scale * t.float()[:, None] * freq[None, :]
+    return torch.cat([arg.sin(), arg.cos()], dim=-1)
+
+
+class TimestepEmbedding(nn.Module):
+    def __init__(self, d_in: int, d: int):
+        super().__init__()
+        self.linear_1 = nn.Linear(d_in, d)
+        self.linear_2 = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(F.silu(self.linear_1(x)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Causal conv blocks (all tensors (B, C, T))
+
+
+class CausalConv1d(nn.Conv1d):
+    def __init__(self, c_in: int, c_out: int, kernel_size: int):
+        super().__init__(c_in, c_out, kernel_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(F.pad(x, (self.kernel_size[0] - 1, 0)))
+
+
+class _ChannelLayerNorm(nn.LayerNorm):
+    """LayerNorm over channels of a (B, C, T) tensor."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.transpose(1, 2)).transpose(1, 2)
+
+
+class CausalBlock1D(nn.Module):
+    """causal conv k=3 -> LayerNorm(channels) -> Mish, input and output masked."""
+
+    def __init__(self, c_in: int, c_out: int):
+        super().__init__()
+        # official layout: [conv, transpose, layernorm, transpose, mish]
+        self.block = nn.ModuleList([CausalConv1d(c_in, c_out, 3), nn.Identity(), _ChannelLayerNorm(c_out)])
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = self.block[2](self.block[0](x * mask))
+        return F.mish(h) * mask
+
+
+class CausalResnetBlock1D(nn.Module):
+    def __init__(self, c_in: int, c_out: int, time_dim: int):
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Mish(), nn.Linear(time_dim, c_out))
+        self.block1 = CausalBlock1D(c_in, c_out)
+        self.block2 = CausalBlock1D(c_out, c_out)
+        self.res_conv = nn.Conv1d(c_in, c_out, 1)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, t_emb: torch.Tensor) -> torch.Tensor:
+        h = self.block1(x, mask) + self.mlp(t_emb)[:, :, None]  # (B, C, T) + (B, C, 1)
+        h = self.block2(h, mask)
+        return h + self.res_conv(x * mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# Transformer block (all tensors (B, T, C))
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, d: int, heads: int, head_dim: int):
+        super().__init__()
+        self.heads, self.head_dim = heads, head_dim
+        inner = heads * head_dim
+        self.to_q = nn.Linear(d, inner, bias=False)
+        self.to_k = nn.Linear(d, inner, bias=False)
+        self.to_v = nn.Linear(d, inner, bias=False)
+        self.to_out = nn.ModuleList([nn.Linear(inner, d)])
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = (
+            proj(x).view(B, T, self.heads, self.head_dim).transpose(1, 2)  # (B, H, T, d_h)
+            for proj in (self.to_q, self.to_k, self.to_v)
+        )
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])  # mask (B, 1, T|1, T)
+        return self.to_out[0](out.transpose(1, 2).reshape(B, T, self.heads * self.head_dim))
+
+
+class _GeluProj(nn.Module):
+    def __init__(self, d_in: int, d_out: int):
+        super().__init__()
+        self.proj = nn.Linear(d_in, d_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(self.proj(x))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, d: int, mult: int = 4):
+        super().__init__()
+        # official layout: [GELU(proj), dropout, linear]
+        self.net = nn.ModuleList([_GeluProj(d, d * mult), nn.Identity(), nn.Linear(d * mult, d)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net[2](self.net[0](x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, d: int, heads: int, head_dim: int):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(d)
+        self.attn1 = SelfAttention(d, heads, head_dim)
+        self.norm3 = nn.LayerNorm(d)
+        self.ff = FeedForward(d)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn1(self.norm1(x), mask)
+        return x + self.ff(self.norm3(x))
+
+
+# ---------------------------------------------------------------------------------------------
+# The U-Net
+
+
+class CausalConditionalDecoder(nn.Module):
+    def __init__(self, dims: EstimatorDims):
+        super().__init__()
+        self.dims = dims
+        c, time_dim = dims.channels, dims.channels * 4
+        self.time_mlp = TimestepEmbedding(dims.in_channels, time_dim)
+
+        def blocks() -> nn.ModuleList:
+            return nn.ModuleList(
+                [TransformerBlock(c, dims.num_heads, dims.attention_head_dim) for _ in range(dims.n_blocks)]
+            )
+
+        self.down_blocks = nn.ModuleList(
+            [nn.ModuleList([CausalResnetBlock1D(dims.in_channels, c, time_dim), blocks(), CausalConv1d(c, c, 3)])]
+        )
+        self.mid_blocks = nn.ModuleList(
+            [nn.ModuleList([CausalResnetBlock1D(c, c, time_dim), blocks()]) for _ in range(dims.num_mid_blocks)]
+        )
+        self.up_blocks = nn.ModuleList(
+            [nn.ModuleList([CausalResnetBlock1D(2 * c, c, time_dim), blocks(), CausalConv1d(c, c, 3)])]
+        )
+        self.final_block = CausalBlock1D(c, c)
+        self.final_proj = nn.Conv1d(c, dims.out_channels, 1)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        mask: torch.Tensor,
+        mu: torch.Tensor,
+        t: torch.Tensor,
+        spks: torch.Tensor,
+        cond: torch.Tensor,
+        streaming: bool = False,
+    ) -> torch.Tensor:
+        """x, mu, cond (B, 80, T_mel); mask (B, 1, T_mel) 0/1; t (B,); spks (B, 80) -> (B, 80, T_mel).
+
+        Runs in the module's dtype; the mask must be a prefix mask (valid frames first).
+        """
+        dtype = self.final_proj.weight.dtype
+        t_emb = self.time_mlp(timestep_sinusoids(t, self.dims.in_channels).to(dtype))  # (B, 4c)
+        T = x.size(2)
+        mask = mask.to(dtype)
+        h = torch.cat([x, mu, spks[:, :, None].expand(-1, -1, T), cond], dim=1).to(dtype)  # (B, 320, T)
+
+        lens = mask[:, 0].sum(dim=1).long()  # (B,)
+        chunk = self.dims.static_chunk_size if streaming else 0
+        attn_mask = attention_mask(lens, T, chunk, self.dims.num_decoding_left_chunks)  # (B, T|1, T)
+
+        def transformers(h: torch.Tensor, layers: nn.ModuleList) -> torch.Tensor:
+            h = h.transpose(1, 2)  # (B, T, C)
+            for layer in layers:
+                h = layer(h, attn_mask)
+            return h.transpose(1, 2)  # (B, C, T)
+
+        skips = []
+        for resnet, layers, down in self.down_blocks:
+            h = transformers(resnet(h, mask, t_emb), layers)
+            skips.append(h)
+            h = down(h * mask)
+        for resnet, layers in self.mid_blocks:
+            h = transformers(resnet(h, mask, t_emb), layers)
+        for resnet, layers, up in self.up_blocks:
+            skip = skips.pop()
+            h = torch.cat([h[:, :, : skip.size(2)], skip], dim=1)  # (B, 2c, T)
+            h = transformers(resnet(h, mask, t_emb), layers)
+            h = up(h * mask)
+        h = self.final_block(h, mask)
+        return self.final_proj(h * mask) * mask

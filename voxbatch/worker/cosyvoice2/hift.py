@@ -1,0 +1,530 @@
+"""HiFT vocoder (CosyVoice2's `HiFTGenerator`): mel -> F0 -> harmonic source -> iSTFTNet waveform.
+
+Reads top-down like the model: dimensions, then the F0 predictor, the NSF harmonic source, the
+residual blocks, the generator (`decode`: mel + source -> waveform) and `inference` (all of it).
+State-dict compatible with the official `hift.pt`; weight norm is folded into plain weights at load
+(inference never needs g and v apart).
+
+Batching: B mels of different lengths are right-padded to T_mel and carried with their lengths.
+Every convolution sees zeros past a row's end, exactly as it would running alone, because the padded
+region is zeroed after every layer; the STFT of the source and the iSTFT of the output are done per
+row's own length (reflect padding at the row's real end, window envelope of its real frames). So a
+batched row equals the same mel decoded alone.
+
+Precision: the generator may run in bf16/fp16 (`load_hift(..., dtype=)`); the F0 predictor, the
+F0 -> phase integration, the source and the STFT/iSTFT stay fp32, since the phase is a running sum
+over every sample. F0 and the source are computed row by row (see `f0`, `SourceModule`), so a row's
+source does not depend on its batch mates. On CUDA, cuDNN's default TF32 convolutions move fp32
+output by ~1%: turn TF32 off for parity checks.
+
+Shapes: B batch, T_mel mel frames, T_wav = T_mel * 480 samples (24 kHz), T_spec = T_wav / hop + 1.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from voxbatch.worker.cosyvoice2.checkpoint import ModelDirError, check_keys, load_state_dict, read_config, section
+
+
+@dataclass(frozen=True)
+class HiftDims:
+    """Hyperparameters of the yaml `hift` section (defaults are the CosyVoice2-0.5B values)."""
+
+    in_channels: int = 80
+    base_channels: int = 512
+    nb_harmonics: int = 8
+    sampling_rate: int = 24000
+    nsf_alpha: float = 0.1  # sine amplitude
+    nsf_sigma: float = 0.003  # noise std in voiced regions
+    nsf_voiced_threshold: float = 10.0  # Hz; below it a sample is unvoiced
+    upsample_rates: tuple[int, ...] = (8, 5, 3)
+    upsample_kernel_sizes: tuple[int, ...] = (16, 11, 7)
+    n_fft: int = 16
+    hop_len: int = 4
+    resblock_kernel_sizes: tuple[int, ...] = (3, 7, 11)
+    resblock_dilation_sizes: tuple[tuple[int, ...], ...] = ((1, 3, 5), (1, 3, 5), (1, 3, 5))
+    source_resblock_kernel_sizes: tuple[int, ...] = (7, 7, 11)
+    source_resblock_dilation_sizes: tuple[tuple[int, ...], ...] = ((1, 3, 5), (1, 3, 5), (1, 3, 5))
+    lrelu_slope: float = 0.1
+    audio_limit: float = 0.99
+    f0_cond_channels: int = 512
+    f0_num_class: int = 1
+
+    @property
+    def samples_per_frame(self) -> int:
+        """Waveform samples per mel frame (480 at 24 kHz): the upsampling times the iSTFT hop."""
+        return math.prod(self.upsample_rates) * self.hop_len
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> HiftDims:
+        h = section(config, "hift")
+        f0 = section(config, "hift", "f0_predictor")
+        istft = section(config, "hift", "istft_params")
+        return cls(
+            in_channels=int(h["in_channels"]),
+            base_channels=int(h["base_channels"]),
+            nb_harmonics=int(h["nb_harmonics"]),
+            sampling_rate=int(h["sampling_rate"]),
+            nsf_alpha=float(h["nsf_alpha"]),
+            nsf_sigma=float(h["nsf_sigma"]),
+            nsf_voiced_threshold=float(h["nsf_voiced_threshold"]),
+            upsample_rates=tuple(int(u) for u in h["upsample_rates"]),
+            upsample_kernel_sizes=tuple(int(k) for k in h["upsample_kernel_sizes"]),
+            n_fft=int(istft["n_fft"]),
+            hop_len=int(istft["hop_len"]),
+            resblock_kernel_sizes=tuple(int(k) for k in h["resblock_kernel_sizes"]),
+            resblock_dilation_sizes=tuple(tuple(int(d) for d in ds) for ds in h["resblock_dilation_sizes"]),
+            source_resblock_kernel_sizes=tuple(int(k) for k in h["source_resblock_kernel_sizes"]),
+            source_resblock_dilation_sizes=tuple(
+                tuple(int(d) for d in ds) for ds in h["source_resblock_dilation_sizes"]
+            ),
+            lrelu_slope=float(h["lrelu_slope"]),
+            audio_limit=float(h["audio_limit"]),
+            f0_cond_channels=int(f0["cond_channels"]),
+            f0_num_class=int(f0.get("num_class", 1)),
+        )
+
+
+def length_mask(lengths: torch.Tensor, max_len: int, dtype: torch.dtype) -> torch.Tensor:
+    """(B,) valid lengths -> (B, 1, max_len) mask, 1 inside a row, 0 in its padding."""
+    steps = torch.arange(max_len, device=lengths.device)
+    return (steps[None, :] < lengths[:, None]).to(dtype)[:, None, :]
+
+
+# ---------------------------------------------------------------------------------------------
+# F0 predictor: 5 convolutions (k=3) with ELU, a linear classifier, |.| -> Hz per mel frame.
+# ---------------------------------------------------------------------------------------------
+
+
+class F0Predictor(nn.Module):
+    """ConvRNNF0Predictor: mel (B, 80, T_mel) -> F0 in Hz (B, T_mel)."""
+
+    def __init__(self, d: HiftDims):
+        super().__init__()
+        layers: list[nn.Module] = []
+        for i in range(5):
+            layers += [nn.Conv1d(d.in_channels if i == 0 else d.f0_cond_channels, d.f0_cond_channels, 3, padding=1)]
+            layers += [nn.ELU()]
+        self.condnet = nn.ModuleList(layers)  # official indices: convs at 0, 2, 4, 6, 8
+        self.classifier = nn.Linear(d.f0_cond_channels, d.f0_num_class)
+
+    def forward(self, mel: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        x = mel
+        for layer in self.condnet:
+            x = layer(x)
+            if isinstance(layer, nn.Conv1d):
+                x = x * mask
+        f0 = self.classifier(x.transpose(1, 2)).squeeze(-1).abs()  # (B, T_mel, 1) -> (B, T_mel)
+        return f0 * mask[:, 0]
+
+
+# ---------------------------------------------------------------------------------------------
+# NSF harmonic source (SineGen2 + SourceModuleHnNSF2, the 24 kHz variant).
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SourceNoise:
+    """The random draws of one source: initial harmonic phases and per-sample noise.
+
+    `phase0` (B, H) uniform in [0, 1) (column 0 is ignored: the fundamental starts at phase 0);
+    `noise` (B, T_wav, H) standard normal. H = nb_harmonics + 1.
+    """
+
+    phase0: torch.Tensor
+    noise: torch.Tensor
+
+
+def draw_source_noise(
+    num_harmonics: int,
+    wav_lengths: Sequence[int],
+    generators: Sequence[torch.Generator] | None = None,
+    device: torch.device | str = "cpu",
+) -> SourceNoise:
+    """Draw the source noise for B rows, padded to the longest.
+
+    With `generators` (one per row) each row draws `rand(1, H)` then a (1, T_wav_b, H) normal from
+    its own generator on that generator's device, so a row's source does not depend on its batch
+    mates (on CUDA, CUDA generators are several times faster than CPU ones at B = 32). Without,
+    the draws come from the global torch RNG in the official order for the whole batch:
+    `rand(B, H)`, a (B, T_wav, H) normal, `randn(B, T_wav, 1)` (the last is the official, unused
+    noise branch; drawn only so the RNG state afterwards matches the official code). Normals are
+    drawn in the official memory layout (`_normal_time_major`).
+    """
+    B, T = len(wav_lengths), max(wav_lengths)
+    if generators is None:
+        phase0 = torch.rand(B, num_harmonics)
+        noise = _normal_time_major(B, T, num_harmonics, None, torch.device("cpu"))
+        torch.randn(B, T, 1)
+        return SourceNoise(phase0.to(device), noise.to(device))
+    if len(generators) != B:
+        raise ValueError(f"draw_source_noise: {len(generators)} generators for {B} rows")
+    phase0 = torch.zeros(B, num_harmonics, device=device)
+    noise = torch.zeros(B, T, num_harmonics, device=device)
+    for b, (n, g) in enumerate(zip(wav_lengths, generators)):
+        phase0[b] = torch.rand(1, num_harmonics, generator=g, device=g.device)[0].to(device)
+        noise[b, :n] = _normal_time_major(1, n, num_harmonics, g, g.device)[0].to(device)
+    return SourceNoise(phase0, noise)
+
+
+def _normal_time_major(B: int, T: int, H: int, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """(B, T, H) standard normal laid out in memory as (B, H, T).
+
+    The official code draws `randn_like` of a transposed tensor; torch fills a non-contiguous tensor
+    element by element in memory order with a different sampler than a contiguous `randn`, so only
+    this layout reproduces its numbers from the same seed.
+    """
+    return torch.empty_strided((B, T, H), (H * T, 1, T), device=device).normal_(generator=generator)
+
+
+class SourceModule(nn.Module):
+    """F0 (B, T_mel) Hz -> excitation (B, 1, T_wav): 9 harmonic sines + noise, merged by linear+tanh.
+
+    The phase is integrated at the frame rate and linearly interpolated to the sample rate (the
+    official SineGen2), in fp32 whatever the module dtype. Rows are generated one by one on their
+    own lengths: the interpolation clamps at a row's real end, and elementwise kernels (sin) round
+    their vector tails differently at other lengths; a 1e-8 change in the source can become ~1e-5
+    in the waveform. The work is the same; only the kernel launches multiply by B.
+    """
+
+    def __init__(self, d: HiftDims):
+        super().__init__()
+        self.d = d
+        self.l_linear = nn.Linear(d.nb_harmonics + 1, 1)
+
+    def sines(self, f0: torch.Tensor, phase0: torch.Tensor) -> torch.Tensor:
+        """One row: f0 (1, T_mel) Hz, phase0 (1, H) -> harmonic sines (1, T_wav, H) * amplitude, fp32."""
+        d, up = self.d, self.d.samples_per_frame
+        harmonics = torch.arange(1, d.nb_harmonics + 2, device=f0.device, dtype=torch.float32)
+        f0_wav = f0.float().repeat_interleave(up, dim=1)[:, :, None]  # (1, T_wav, 1), nearest upsampling
+        cycles = (f0_wav * harmonics / d.sampling_rate) % 1  # (1, T_wav, H) cycles per sample
+        phase0 = phase0.float().clone()
+        phase0[:, 0] = 0  # the fundamental starts at phase 0
+        cycles[:, 0, :] = cycles[:, 0, :] + phase0
+        # Frame-rate integration, as the official code: linear downsampling takes each frame's
+        # middle samples, the running sum times the samples per frame is the phase at each frame,
+        # and linear upsampling brings it back to samples.
+        per_frame = F.interpolate(cycles.transpose(1, 2), scale_factor=1 / up, mode="linear")  # (1, H, T_mel)
+        phase = torch.cumsum(per_frame, dim=2) * 2 * math.pi
+        phase = F.interpolate(phase * up, scale_factor=up, mode="linear").transpose(1, 2)  # (1, T_wav, H)
+        return torch.sin(phase) * d.nsf_alpha
+
+    def forward(self, f0: torch.Tensor, mel_lengths: torch.Tensor, noise: SourceNoise) -> torch.Tensor:
+        d, up = self.d, self.d.samples_per_frame
+        B, T_mel = f0.shape
+        w, b = self.l_linear.weight.float(), self.l_linear.bias.float()
+        source = torch.zeros(B, 1, T_mel * up, device=f0.device)
+        for row, n in enumerate(mel_lengths.tolist()):
+            f0_row = f0[row : row + 1, :n].float()  # (1, T_mel_b)
+            sines = self.sines(f0_row, noise.phase0[row : row + 1])  # (1, T_wav_b, H)
+            uv = (f0_row.repeat_interleave(up, dim=1)[:, :, None] > d.nsf_voiced_threshold).float()
+            noise_amp = uv * d.nsf_sigma + (1 - uv) * d.nsf_alpha / 3
+            excitation = sines * uv + noise_amp * noise.noise[row : row + 1, : n * up].float()
+            source[row, :, : n * up] = torch.tanh(F.linear(excitation, w, b))[0].transpose(0, 1)  # (T_wav_b, 1) -> (1, T_wav_b)
+        return source
+
+
+# ---------------------------------------------------------------------------------------------
+# Generator blocks.
+# ---------------------------------------------------------------------------------------------
+
+
+class Snake(nn.Module):
+    """x + sin^2(alpha x) / alpha, per channel (alpha stored linearly, not as a log)."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.alpha = nn.Parameter(torch.ones(channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        alpha = self.alpha[None, :, None]
+        return x + (1.0 / (alpha + 1e-9)) * torch.sin(x * alpha).pow(2)
+
+
+class ResBlock(nn.Module):
+    """HiFi-GAN residual block with Snake activations: per dilation, snake-conv-snake-conv + skip."""
+
+    def __init__(self, channels: int, kernel_size: int, dilations: Sequence[int]):
+        super().__init__()
+        self.convs1 = nn.ModuleList(
+            nn.Conv1d(channels, channels, kernel_size, dilation=dil, padding=dil * (kernel_size - 1) // 2)
+            for dil in dilations
+        )
+        self.convs2 = nn.ModuleList(
+            nn.Conv1d(channels, channels, kernel_size, padding=(kernel_size - 1) // 2) for _ in dilations
+        )
+        self.activations1 = nn.ModuleList(Snake(channels) for _ in dilations)
+        self.activations2 = nn.ModuleList(Snake(channels) for _ in dilations)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        for act1, conv1, act2, conv2 in zip(self.activations1, self.convs1, self.activations2, self.convs2):
+            xt = conv1(act1(x)) * mask
+            xt = conv2(act2(xt)) * mask
+            x = x + xt
+        return x
+
+
+class HiFTGenerator(nn.Module):
+    """Neural source filter + iSTFTNet: mel (B, 80, T_mel) -> waveform (B, T_mel * 480)."""
+
+    def __init__(self, d: HiftDims):
+        super().__init__()
+        self.d = d
+        C = d.base_channels
+        self.f0_predictor = F0Predictor(d)
+        self.m_source = SourceModule(d)
+        self.conv_pre = nn.Conv1d(d.in_channels, C, 7, padding=3)
+        self.ups = nn.ModuleList(
+            nn.ConvTranspose1d(C // 2**i, C // 2 ** (i + 1), k, u, padding=(k - u) // 2)
+            for i, (u, k) in enumerate(zip(d.upsample_rates, d.upsample_kernel_sizes))
+        )
+        # The source enters at every upsampling stage: its STFT (n_fft + 2 channels at the final
+        # frame rate) is strided down to that stage's rate.
+        spec_ch = d.n_fft + 2
+        down_rates = [math.prod(d.upsample_rates[i + 1 :]) for i in range(len(d.upsample_rates))]  # e.g. 15, 3, 1
+        self.source_downs = nn.ModuleList(
+            nn.Conv1d(spec_ch, C // 2 ** (i + 1), 1) if r == 1 else nn.Conv1d(spec_ch, C // 2 ** (i + 1), 2 * r, r, padding=r // 2)
+            for i, r in enumerate(down_rates)
+        )
+        self.source_resblocks = nn.ModuleList(
+            ResBlock(C // 2 ** (i + 1), k, dil)
+            for i, (k, dil) in enumerate(zip(d.source_resblock_kernel_sizes, d.source_resblock_dilation_sizes))
+        )
+        self.resblocks = nn.ModuleList(
+            ResBlock(C // 2 ** (i + 1), k, dil)
+            for i in range(len(d.upsample_rates))
+            for k, dil in zip(d.resblock_kernel_sizes, d.resblock_dilation_sizes)
+        )
+        self.conv_post = nn.Conv1d(C // 2 ** len(d.upsample_rates), spec_ch, 7, padding=3)
+
+    @classmethod
+    def from_model_dir(
+        cls, model_dir: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+    ) -> HiFTGenerator:
+        return load_hift(model_dir, device, dtype)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.conv_pre.weight.dtype
+
+    def _window(self, device: torch.device) -> torch.Tensor:
+        # Periodic Hann, computed in float64 like scipy's get_window, then fp32.
+        return torch.hann_window(self.d.n_fft, periodic=True, dtype=torch.float64, device=device).float()
+
+    # -- STFT of the source and iSTFT of the output, per row's own length (fp32) ----------------
+
+    def _stft(self, source: torch.Tensor, wav_lengths: torch.Tensor) -> torch.Tensor:
+        """source (B, 1, T_wav) -> [real; imag] (B, n_fft + 2, T_spec), centered, reflect-padded at
+        each row's own end, zero for frames past a row's T_spec."""
+        n_fft, hop, half = self.d.n_fft, self.d.hop_len, self.d.n_fft // 2
+        x = source[:, 0].float()
+        B, T_wav = x.shape
+        pos = torch.arange(-half, T_wav + half, device=x.device)[None, :].expand(B, -1)  # (B, T_wav + n_fft)
+        last = (wav_lengths - 1)[:, None]
+        idx = torch.where(pos < 0, -pos, pos)
+        idx = torch.where(idx > last, 2 * last - idx, idx).clamp(0, T_wav - 1)
+        padded = x.gather(1, idx) * (pos <= last + half).float()
+        spec = torch.stft(padded, n_fft, hop, n_fft, window=self._window(x.device), center=False, return_complex=True)
+        spec = torch.cat([spec.real, spec.imag], dim=1)  # (B, n_fft/2 + 1, T_spec) x 2 -> (B, n_fft + 2, T_spec)
+        return spec * length_mask(wav_lengths // hop + 1, spec.shape[2], spec.dtype)
+
+    def _istft(self, magnitude: torch.Tensor, phase: torch.Tensor, spec_lengths: torch.Tensor) -> torch.Tensor:
+        """(B, n_fft/2 + 1, T_spec) magnitude and phase -> (B, T_wav); overlap-add normalized by the
+        squared-window envelope of each row's own frames (what torch.istft does for one row)."""
+        n_fft, hop, half = self.d.n_fft, self.d.hop_len, self.d.n_fft // 2
+        B, _, T_spec = magnitude.shape
+        frame_mask = length_mask(spec_lengths, T_spec, torch.float32)  # (B, 1, T_spec)
+        spec = torch.polar(magnitude.float().clamp(max=1e2), phase.float()) * frame_mask
+        window = self._window(magnitude.device)
+        frames = torch.fft.irfft(spec.transpose(1, 2), n=n_fft) * window  # (B, T_spec, n_fft)
+        full = n_fft + hop * (T_spec - 1)
+        out = F.fold(frames.transpose(1, 2), (1, full), (1, n_fft), stride=(1, hop))[:, 0, 0]  # (B, full)
+        env_frames = (window.pow(2)[None, :, None] * frame_mask).expand(B, -1, -1)  # (B, n_fft, T_spec)
+        env = F.fold(env_frames, (1, full), (1, n_fft), stride=(1, hop))[:, 0, 0]
+        out = out / torch.where(env > 1e-11, env, torch.ones_like(env))
+        return out[:, half : full - half]  # (B, hop * (T_spec - 1)) = (B, T_wav)
+
+    # -- the model -------------------------------------------------------------------------------
+
+    def f0(self, mel: torch.Tensor, mel_lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """mel (B, 80, T_mel) -> F0 (B, T_mel) in Hz, zero past each row's length.
+
+        Row by row on each row's own frames: F0 is integrated into the source phase over every
+        sample, so the last-bit differences a batched convolution may pick (another kernel or
+        blocking for another shape) would grow to ~1e-4 in the source; run alone, a row's F0 is
+        bit-identical to its one-at-a-time F0. The predictor is small and at the frame rate.
+        """
+        mel_lengths = self._lengths(mel, mel_lengths)
+        dtype = self.f0_predictor.classifier.weight.dtype  # fp32 as load_hift leaves it
+        mel = mel.to(dtype)
+        B, _, T_mel = mel.shape
+        if B == 1:
+            return self.f0_predictor(mel, length_mask(mel_lengths, T_mel, dtype))
+        f0 = mel.new_zeros(B, T_mel)
+        for b, n in enumerate(mel_lengths.tolist()):
+            row = mel[b : b + 1, :, :n]
+            f0[b, :n] = self.f0_predictor(row, row.new_ones(1, 1, n))[0]
+        return f0
+
+    def source(
+        self,
+        f0: torch.Tensor,
+        mel_lengths: torch.Tensor | None = None,
+        generators: Sequence[torch.Generator] | None = None,
+        noise: SourceNoise | None = None,
+    ) -> torch.Tensor:
+        """F0 (B, T_mel) -> source (B, 1, T_wav) fp32. Randomness from `noise` if given, else from
+        per-row `generators`, else from the global torch RNG in the official order."""
+        mel_lengths = mel_lengths if mel_lengths is not None else torch.full((f0.shape[0],), f0.shape[1], device=f0.device)
+        if noise is None:
+            wav_lengths = (mel_lengths * self.d.samples_per_frame).tolist()
+            noise = draw_source_noise(self.d.nb_harmonics + 1, wav_lengths, generators, device=f0.device)
+        return self.m_source(f0, mel_lengths, noise)
+
+    def decode(self, mel: torch.Tensor, source: torch.Tensor, mel_lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """mel (B, 80, T_mel) + source (B, 1, T_wav) -> waveform (B, T_wav) fp32 in [-limit, limit]."""
+        d = self.d
+        mel_lengths = self._lengths(mel, mel_lengths)
+        B, _, T_mel = mel.shape
+        wav_lengths = mel_lengths * d.samples_per_frame
+        spec_lengths = wav_lengths // d.hop_len + 1
+        s_spec = self._stft(source, wav_lengths).to(self.dtype)  # (B, n_fft + 2, T_spec)
+
+        mel_mask = length_mask(mel_lengths, T_mel, self.dtype)
+        x = self.conv_pre(mel.to(self.dtype) * mel_mask) * mel_mask  # (B, C, T_mel)
+        lengths = mel_lengths
+        n_up, n_k = len(self.ups), len(d.resblock_kernel_sizes)
+        for i, up in enumerate(self.ups):
+            x = up(F.leaky_relu(x, d.lrelu_slope))  # (B, C / 2^(i+1), T * rate)
+            lengths = lengths * d.upsample_rates[i]
+            if i == n_up - 1:
+                x = F.pad(x, (1, 0), mode="reflect")  # one more frame to match the STFT frame count
+                lengths = lengths + 1
+            mask = length_mask(lengths, x.shape[2], self.dtype)
+            x = x * mask
+            si = self.source_downs[i](s_spec) * mask
+            x = x + self.source_resblocks[i](si, mask)
+            x = sum(self.resblocks[i * n_k + j](x, mask) for j in range(n_k)) / n_k
+        x = self.conv_post(F.leaky_relu(x))  # default slope 0.01 here, as the official code
+        half = d.n_fft // 2 + 1
+        magnitude = torch.exp(x[:, :half].float())
+        phase = torch.sin(x[:, half:].float())  # (B, n_fft/2 + 1, T_spec) each
+        wav = self._istft(magnitude, phase, spec_lengths)
+        wav = wav.clamp(-d.audio_limit, d.audio_limit)
+        return wav * length_mask(wav_lengths, wav.shape[1], wav.dtype)[:, 0]
+
+    @torch.inference_mode()
+    def inference(
+        self,
+        mel: torch.Tensor,
+        mel_lengths: torch.Tensor | None = None,
+        generators: Sequence[torch.Generator] | None = None,
+        cache_source: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """mel (B, 80, T_mel) -> (waveform (B, T_wav), source (B, 1, T_wav)).
+
+        `generators`: one torch.Generator per row (its seed makes the row reproducible alone or in any
+        batch); None draws from the global RNG in the official order. `cache_source` (B, 1, n)
+        overwrites the first n source samples (streaming: continue the previous chunk's source).
+        """
+        mel_lengths = self._lengths(mel, mel_lengths)
+        f0 = self.f0(mel, mel_lengths)
+        source = self.source(f0, mel_lengths, generators)
+        if cache_source is not None and cache_source.shape[2] > 0:
+            source[:, :, : cache_source.shape[2]] = cache_source.float()
+        return self.decode(mel, source, mel_lengths), source
+
+    @staticmethod
+    def _lengths(mel: torch.Tensor, mel_lengths: torch.Tensor | None) -> torch.Tensor:
+        if mel_lengths is None:
+            return torch.full((mel.shape[0],), mel.shape[2], dtype=torch.long, device=mel.device)
+        return mel_lengths.to(device=mel.device, dtype=torch.long)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoint: official names are ours; weight norm (either layout) is folded into `.weight`.
+# ---------------------------------------------------------------------------------------------
+
+# (g, v) suffixes of the two weight-norm layouts torch has written: parametrizations (torch >= 2.1)
+# and the older weight_norm hook.
+WEIGHT_NORM_LAYOUTS = (
+    (".parametrizations.weight.original0", ".parametrizations.weight.original1"),
+    (".weight_g", ".weight_v"),
+)
+OPTIONAL_PREFIX = "generator."
+# F0 sets the pitch and is integrated into the source phase over every sample: the F0 predictor
+# (small, at the frame rate) and the source merge stay fp32 whatever dtype the generator runs in
+# (F0 from bf16 weights moves by several Hz).
+FP32_MODULES = ("f0_predictor", "m_source")  # HiFiGan training checkpoints nest the generator under this
+
+
+def fold_weight_norm(g: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """w = g * v / ||v||, the norm taken over every dim where g has size 1.
+
+    The kept dim is where g is not 1: dim 0 for both layouts torch writes, which is the output
+    channels of a Conv1d but the input channels of a ConvTranspose1d (weight (C_in, C_out, k)).
+    Folded with torch's own weight-norm kernel (what the official parametrization calls every
+    forward), so the folded weights equal the official ones bit for bit; a plain g * v / v.norm()
+    rounds differently and moves F0, hence the integrated source phase, by ~1e-4.
+    """
+    if g.dim() == 0 or g.numel() == 1 and v.shape[0] != 1:
+        dim = -1  # one scalar g: norm over the whole tensor
+    else:
+        kept = [i for i in range(v.dim()) if g.shape[i] != 1]
+        dim = kept[0] if kept else 0
+    return torch._weight_norm(v.float(), g.float(), dim).to(v.dtype)
+
+
+def convert_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Official hift.pt state dict (any layout, optional `generator.` prefix) -> our plain names."""
+    if sd and all(k.startswith(OPTIONAL_PREFIX) for k in sd):
+        sd = {k[len(OPTIONAL_PREFIX) :]: v for k, v in sd.items()}
+    out: dict[str, torch.Tensor] = {}
+    pending: dict[str, dict[int, torch.Tensor]] = {}
+    for key, value in sd.items():
+        for g_suffix, v_suffix in WEIGHT_NORM_LAYOUTS:
+            if key.endswith(g_suffix) or key.endswith(v_suffix):
+                is_g = key.endswith(g_suffix)
+                base = key[: -len(g_suffix if is_g else v_suffix)]
+                pending.setdefault(base, {})[0 if is_g else 1] = value
+                break
+        else:
+            out[key] = value
+    for base, parts in pending.items():
+        if len(parts) == 2:
+            out[f"{base}.weight"] = fold_weight_norm(parts[0], parts[1])
+        else:  # half a pair: report it under its own name so check_keys names it
+            out[f"{base}.weight-norm-{'g' if 0 in parts else 'v'}-only"] = next(iter(parts.values()))
+    return out
+
+
+def load_hift(
+    model_dir: str | Path,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    state_dict: dict[str, torch.Tensor] | None = None,
+) -> HiFTGenerator:
+    """Build HiFT from `cosyvoice2.yaml` and load `hift.pt` strictly (or a given state dict)."""
+    dims = HiftDims.from_config(read_config(model_dir))
+    name = str(Path(model_dir) / "hift.pt")
+    sd = convert_state_dict(state_dict if state_dict is not None else load_state_dict(model_dir, "hift.pt"))
+    with torch.device("meta"):
+        model = HiFTGenerator(dims)
+    check_keys(name, set(sd), set(model.state_dict()))
+    try:
+        model.load_state_dict(sd, strict=True, assign=True)
+    except RuntimeError as e:  # shape mismatches: the yaml and the checkpoint disagree
+        raise ModelDirError(f"{name}: does not fit the yaml `hift` dims: {e}") from e
+    model = model.to(device=device).eval()
+    for child_name, child in model.named_children():
+        if child_name not in FP32_MODULES:
+            child.to(dtype)
+    return model

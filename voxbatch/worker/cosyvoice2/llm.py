@@ -1,0 +1,346 @@
+"""The CosyVoice2 language model (text tokens -> speech tokens): a Qwen2 body between two small heads.
+
+The official `Qwen2LM` feeds Qwen2 with embeddings instead of token ids:
+
+    [sos, embed_tokens(prompt_text ++ text), task_id, speech_embedding(prompt_speech)]
+
+where sos/task_id are rows 0/1 of `llm_embedding`, and reads speech-token log-probs from `llm_decoder`
+(speech_token_size + 3 outputs: the speech tokens, then eos and two more stop ids). Qwen2's own
+`lm_head` (tied to `embed_tokens`) is never used; it exists so the official `llm.pt` loads strictly.
+
+Decoding keeps the path static (gpt-fast style): one KV cache `(layers, B_max, kv_heads, T_max, head_dim)`
+allocated once and written in place; `prefill` runs right-padded prompts of different lengths;
+`decode_step` runs one token per row at per-row positions; the torch backend captures it (with the sampler) as CUDA graphs on GPU.
+
+Module names mirror the official state dict (`llm.model.model.layers.N.self_attn.q_proj`, ...), so
+`llm.pt` loads with `load_state_dict(strict=True, assign=True)` and no renaming table.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from voxbatch.worker.cosyvoice2.checkpoint import ModelDirError, check_keys, load_state_dict, read_config, section
+
+QWEN_DIR = "CosyVoice-BlankEN"
+SOS, TASK_ID = 0, 1  # rows of `llm_embedding`
+
+
+@dataclass(frozen=True)
+class LlmDims:
+    """Qwen2 sizes from `CosyVoice-BlankEN/config.json`, head sizes from `cosyvoice2.yaml` (`llm:`)."""
+
+    hidden: int  # D: Qwen2 hidden_size (= yaml llm_input_size = llm_output_size)
+    intermediate: int  # MLP width
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int  # grouped-query attention: n_heads // n_kv_heads query heads share one K/V head
+    head_dim: int
+    vocab_size: int  # Qwen text vocabulary (embed_tokens rows)
+    rope_theta: float
+    rms_norm_eps: float
+    speech_token_size: int  # S: speech tokens 0..S-1; S = eos; S+1, S+2 also stop
+
+    @property
+    def n_speech(self) -> int:
+        """Rows of speech_embedding / outputs of llm_decoder: S speech tokens + eos + 2 more specials."""
+        return self.speech_token_size + 3
+
+    @property
+    def eos_id(self) -> int:
+        return self.speech_token_size
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        return tuple(self.speech_token_size + i for i in range(3))
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path) -> LlmDims:
+        path = Path(model_dir) / QWEN_DIR / "config.json"
+        if not path.is_file():
+            raise ModelDirError(f"{path}: missing (the Qwen2 config of the LLM)")
+        qwen = json.loads(path.read_text(encoding="utf-8"))
+        llm = section(read_config(model_dir), "llm")
+        n_heads = qwen["num_attention_heads"]
+        dims = cls(
+            hidden=qwen["hidden_size"],
+            intermediate=qwen["intermediate_size"],
+            n_layers=qwen["num_hidden_layers"],
+            n_heads=n_heads,
+            n_kv_heads=qwen.get("num_key_value_heads", n_heads),
+            head_dim=qwen.get("head_dim", qwen["hidden_size"] // n_heads),
+            vocab_size=qwen["vocab_size"],
+            rope_theta=float(qwen.get("rope_theta", 10000.0)),
+            rms_norm_eps=float(qwen.get("rms_norm_eps", 1e-6)),
+            speech_token_size=int(llm["speech_token_size"]),
+        )
+        for key in ("llm_input_size", "llm_output_size"):
+            if int(llm[key]) != dims.hidden:
+                raise ModelDirError(f"cosyvoice2.yaml: llm.{key}={llm[key]} but {path} has hidden_size={dims.hidden}")
+        return dims
+
+
+class RMSNorm(nn.Module):
+    """Qwen2's RMSNorm: normalise in fp32, scale in the input dtype."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos/sin tables (B, T, head_dim) for integer positions (B, T), computed in fp32 as in HF Qwen2."""
+    exponent = torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (theta**exponent)  # (head_dim/2,)
+    freqs = positions.float()[..., None] * inv_freq  # (B, T, head_dim/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, head_dim)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate (B, heads, T, head_dim) by cos/sin (B, T, head_dim) (the rotate-half convention)."""
+    cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, head_dim)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention with biased q/k/v; optionally reads/writes a slice of the KV cache."""
+
+    def __init__(self, d: LlmDims):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = d.n_heads, d.n_kv_heads, d.head_dim
+        self.q_proj = nn.Linear(d.hidden, d.n_heads * d.head_dim, bias=True)
+        self.k_proj = nn.Linear(d.hidden, d.n_kv_heads * d.head_dim, bias=True)
+        self.v_proj = nn.Linear(d.hidden, d.n_kv_heads * d.head_dim, bias=True)
+        self.o_proj = nn.Linear(d.n_heads * d.head_dim, d.hidden, bias=False)
+
+    def forward(
+        self,
+        x: Tensor,  # (B, T, D)
+        cos: Tensor,  # (B, T, head_dim)
+        sin: Tensor,
+        mask: Tensor,  # (B, 1, T, S) bool, True = may attend; S = T without cache / kv_len when decoding
+        cache: tuple[Tensor, Tensor] | None = None,  # this layer's (k, v), each (B_max, kv_heads, T_max, head_dim)
+        write_rows: Tensor | None = None,  # prefill: (B,) cache row of each sequence
+        write_pos: Tensor | None = None,  # decode: (B,) position each row's token is written at
+        kv_len: int = 0,  # decode: how many cache positions to attend over
+    ) -> Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, KVH, T, hd)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            cache_k, cache_v = cache
+            if write_pos is None:  # prefill: rows `write_rows`, positions [0, T); attend within the prompt
+                cache_k[write_rows, :, :T] = k  # (B, KVH, T, hd)
+                cache_v[write_rows, :, :T] = v
+            else:  # decode: T == 1, row b at write_pos[b]; attend over the cache
+                rows = torch.arange(B, device=x.device)
+                cache_k[rows, :, write_pos] = k[:, :, 0]  # (B, KVH, hd)
+                cache_v[rows, :, write_pos] = v[:, :, 0]
+                k, v = cache_k[:B, :, :kv_len], cache_v[:B, :, :kv_len]  # (B, KVH, kv_len, hd)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv_heads != self.n_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, d: LlmDims):
+        super().__init__()
+        self.gate_proj = nn.Linear(d.hidden, d.intermediate, bias=False)
+        self.up_proj = nn.Linear(d.hidden, d.intermediate, bias=False)
+        self.down_proj = nn.Linear(d.intermediate, d.hidden, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, d: LlmDims):
+        super().__init__()
+        self.self_attn = Attention(d)
+        self.mlp = MLP(d)
+        self.input_layernorm = RMSNorm(d.hidden, d.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(d.hidden, d.rms_norm_eps)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, **cache_args) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, **cache_args)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen2Body(nn.Module):
+    """Qwen2 without its head: embeddings in, final-normed hidden states out (HF's `hidden_states[-1]`)."""
+
+    def __init__(self, d: LlmDims):
+        super().__init__()
+        self.dims = d
+        self.embed_tokens = nn.Embedding(d.vocab_size, d.hidden)
+        self.layers = nn.ModuleList(DecoderLayer(d) for _ in range(d.n_layers))
+        self.norm = RMSNorm(d.hidden, d.rms_norm_eps)
+
+    def forward(
+        self,
+        x: Tensor,  # (B, T, D) input embeddings
+        positions: Tensor,  # (B, T) int
+        mask: Tensor,  # (B, 1, T, S) bool
+        cache: tuple[Tensor, Tensor] | None = None,  # (layers, B_max, KVH, T_max, hd) each
+        write_rows: Tensor | None = None,
+        write_pos: Tensor | None = None,
+        kv_len: int = 0,
+    ) -> Tensor:
+        cos, sin = rope_cos_sin(positions, self.dims.head_dim, self.dims.rope_theta, x.dtype)
+        for i, layer in enumerate(self.layers):
+            layer_cache = None if cache is None else (cache[0][i], cache[1][i])
+            x = layer(x, cos, sin, mask, cache=layer_cache, write_rows=write_rows, write_pos=write_pos, kv_len=kv_len)
+        return self.norm(x)
+
+
+class _Qwen2ForCausalLM(nn.Module):
+    """Official `llm.model` (HF Qwen2ForCausalLM): the body plus the tied text head we never call."""
+
+    def __init__(self, d: LlmDims):
+        super().__init__()
+        self.model = Qwen2Body(d)
+        self.lm_head = nn.Linear(d.hidden, d.vocab_size, bias=False)
+
+
+class _Qwen2Encoder(nn.Module):
+    """Official `llm` (Qwen2Encoder): a wrapper whose only child is `model`."""
+
+    def __init__(self, d: LlmDims):
+        super().__init__()
+        self.model = _Qwen2ForCausalLM(d)
+
+
+def padding_causal_mask(lengths: Tensor, T: int) -> Tensor:
+    """(B, 1, T, T) bool: query t may see key s when s <= t and s < length (right padding)."""
+    idx = torch.arange(T, device=lengths.device)
+    causal = idx[None, :] <= idx[:, None]  # (T, T)
+    valid = idx[None, :] < lengths[:, None]  # (B, T)
+    return (causal[None] & valid[:, None, :])[:, None]
+
+
+class CosyVoice2LM(nn.Module):
+    """`Qwen2LM` for inference: input sequence building, a teacher-forced forward, prefill and decode."""
+
+    def __init__(self, d: LlmDims):
+        super().__init__()
+        self.dims = d
+        self.llm_embedding = nn.Embedding(2, d.hidden)  # row 0 = sos, row 1 = task_id
+        self.llm = _Qwen2Encoder(d)
+        self.llm_decoder = nn.Linear(d.hidden, d.n_speech)
+        self.speech_embedding = nn.Embedding(d.n_speech, d.hidden)
+        # KV cache (layers, B_max, KVH, T_max, hd): buffers written in place, so a captured decode step may mutate them
+        self.register_buffer("cache_k", None, persistent=False)
+        self.register_buffer("cache_v", None, persistent=False)
+
+    @property
+    def body(self) -> Qwen2Body:
+        return self.llm.model.model
+
+    # -- loading -----------------------------------------------------------------------------------
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> CosyVoice2LM:
+        """Build on the meta device, then adopt `llm.pt`'s tensors (strict keys, errors name the file)."""
+        dims = LlmDims.from_model_dir(model_dir)
+        with torch.device("meta"):
+            model = cls(dims)
+        state = load_state_dict(model_dir, "llm.pt")
+        check_keys(str(Path(model_dir) / "llm.pt"), set(state), set(model.state_dict()))
+        for name, expected in model.state_dict().items():
+            if state[name].shape != expected.shape:
+                raise ModelDirError(f"{Path(model_dir) / 'llm.pt'}: {name} has shape {tuple(state[name].shape)}, expected {tuple(expected.shape)}")
+        model.load_state_dict(state, strict=True, assign=True)
+        model.llm.model.lm_head.weight = model.body.embed_tokens.weight  # tied, as in the official file
+        return model.to(device=device, dtype=dtype).eval()
+
+    # -- the input sequence ------------------------------------------------------------------------
+
+    def embed_prompt(self, text_tokens: Tensor, prompt_speech_tokens: Tensor) -> Tensor:
+        """(T_text,), (T_tok,) ids -> (1 + T_text + 1 + T_tok, D): [sos, text, task_id, prompt speech]."""
+        w = self.llm_embedding.weight
+        return torch.cat(
+            [w[SOS : SOS + 1], self.body.embed_tokens(text_tokens), w[TASK_ID : TASK_ID + 1], self.speech_embedding(prompt_speech_tokens)]
+        )
+
+    def embed_batch(self, prompts: list[tuple[list[int], list[int]]]) -> tuple[Tensor, Tensor]:
+        """[(text ids, prompt speech ids)] -> right-padded embeddings (B, T, D) and lengths (B,)."""
+        dev = self.llm_decoder.weight.device
+        seqs = [self.embed_prompt(torch.tensor(t, dtype=torch.long, device=dev), torch.tensor(s, dtype=torch.long, device=dev)) for t, s in prompts]
+        lengths = torch.tensor([len(s) for s in seqs], device=dev)
+        return nn.utils.rnn.pad_sequence(seqs, batch_first=True), lengths
+
+    def logp(self, hidden: Tensor) -> Tensor:
+        """Hidden states (..., D) -> speech-token log-probs (..., S+3) in fp32."""
+        return self.llm_decoder(hidden).float().log_softmax(dim=-1)
+
+    # -- teacher forcing (no cache) -----------------------------------------------------------------
+
+    def forward(self, embeds: Tensor, lengths: Tensor) -> Tensor:
+        """Full-sequence path: (B, T, D) right-padded embeddings -> log-probs (B, T, S+3)."""
+        B, T, _ = embeds.shape
+        positions = torch.arange(T, device=embeds.device).expand(B, T)
+        return self.logp(self.body(embeds, positions, padding_causal_mask(lengths, T)))
+
+    # -- decoding with the static KV cache ----------------------------------------------------------
+
+    def setup_cache(self, batch_max: int, seq_max: int) -> None:
+        """Allocate the KV cache once; decoding writes into it in place (CUDA-graph safe)."""
+        d, p = self.dims, self.llm_decoder.weight
+        shape = (d.n_layers, batch_max, d.n_kv_heads, seq_max, d.head_dim)
+        self.cache_k = torch.zeros(shape, device=p.device, dtype=p.dtype)
+        self.cache_v = torch.zeros(shape, device=p.device, dtype=p.dtype)
+
+    @property
+    def cache_shape(self) -> tuple[int, int]:
+        """(B_max, T_max) of the allocated cache."""
+        if self.cache_k is None:
+            raise RuntimeError("call setup_cache() before prefill/decode_step")
+        return self.cache_k.shape[1], self.cache_k.shape[3]
+
+    def prefill(self, embeds: Tensor, lengths: Tensor, all_positions: bool = False, rows: Tensor | None = None) -> Tensor:
+        """Run right-padded prompts (B, T, D) into cache rows `rows` (B,) (default [0, B)).
+
+        Returns the log-probs of the token after each prompt (B, S+3), or at every position (B, T, S+3).
+        Padded positions write garbage into the cache; decoding overwrites each before it is attended.
+        """
+        B, T, _ = embeds.shape
+        b_max, t_max = self.cache_shape
+        if T > t_max or (rows is None and B > b_max):
+            raise ValueError(f"prefill of {B}x{T} does not fit the KV cache ({b_max}x{t_max})")
+        positions = torch.arange(T, device=embeds.device).expand(B, T)
+        rows = torch.arange(B, device=embeds.device) if rows is None else rows
+        mask = padding_causal_mask(lengths, T)
+        hidden = self.body(embeds, positions, mask, cache=(self.cache_k, self.cache_v), write_rows=rows)  # (B, T, D)
+        if all_positions:
+            return self.logp(hidden)
+        last = hidden[torch.arange(B, device=embeds.device), lengths - 1]  # (B, D)
+        return self.logp(last)
+
+    def decode_step(self, tokens: Tensor, positions: Tensor, kv_len: int | None = None) -> Tensor:
+        """One speech token per row (B,) at per-row positions (B,) -> next-token log-probs (B, S+3).
+
+        Row b of the batch is cache row b. `kv_len` bounds attention to cache positions [0, kv_len)
+        (it must exceed every position); a fixed kv_len keeps shapes static for CUDA-graph capture.
+        """
+        kv_len = self.cache_shape[1] if kv_len is None else kv_len
+        x = self.speech_embedding(tokens)[:, None]  # (B, 1, D)
+        keys = torch.arange(kv_len, device=tokens.device)
+        mask = (keys[None, :] <= positions[:, None])[:, None, None]  # (B, 1, 1, kv_len)
+        hidden = self.body(x, positions[:, None], mask, cache=(self.cache_k, self.cache_v), write_pos=positions, kv_len=kv_len)
+        return self.logp(hidden[:, 0])  # (B, S+3)

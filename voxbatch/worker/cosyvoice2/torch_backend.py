@@ -1,0 +1,241 @@
+"""The `torch` LLM backend: our own batched decoding with the static KV cache of `CosyVoice2LM`.
+
+A fixed number of rows (cache rows) decode together. Each step samples one token for every row on
+the device (RAS or greedy, eos masked before min_tokens), appends it, and runs the decode step; all
+of it in place on static tensors. On GPU the whole step, sampler and bookkeeping included, is
+captured as one CUDA graph per attention width (multiples of `kv_block` cache positions), so a
+replay reads only the cache positions some live row can see; capture takes milliseconds, where
+compiling the step (torch.compile, reduce-overhead) took over a minute and ran 8x slower on the
+H200 (BENCHMARKS.md). The host knows which width the longest live row needs (prompt length + steps
+since its prefill) and looks at the device only every `sync_every` steps or at a step where some row
+reaches max_tokens. At each look it yields the rows that stopped and prefills waiting requests into
+freed rows (continuous batching), in groups of at least `rows // refill_div` so prefill runs as a few
+batched calls. Rows that stop between looks keep decoding into their own cache row: wasted work, but
+no host sync per step; their extra tokens are never read.
+
+The KV cache belongs to the model, so one backend runs one `generate` at a time (the engine's
+scheduler thread).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from voxbatch.worker.cosyvoice2.llm import CosyVoice2LM
+from voxbatch.worker.cosyvoice2.llm_backend import LlmBackend, LlmRequest, LlmResult
+from voxbatch.worker.cosyvoice2.sampling import BatchSampler, RasConfig
+
+
+def _bucket(n: int, cap: int) -> int:
+    """Next power of two >= n (at most cap): graphs are captured for a few row counts, not every B."""
+    b = 1
+    while b < n:
+        b *= 2
+    return min(b, cap)
+
+
+class _Rows:
+    """Decoding state of `rows` cache rows on the model's device, and its CUDA graphs (one per width)."""
+
+    @torch.inference_mode()
+    def __init__(self, model: CosyVoice2LM, rows: int, window: int, widths: list[int]):
+        self.model, self.rows, self.widths = model, rows, widths
+        dev = model.llm_decoder.weight.device
+        d, (_, max_seq) = model.dims, model.cache_shape
+        self.max_seq = max_seq
+        self.sampler = BatchSampler(rows, window, dev, d.eos_id)
+        self.logp = torch.zeros((rows, d.n_speech), device=dev)  # (B, S+3) next-token log-probs
+        self.lengths = torch.zeros(rows, dtype=torch.long, device=dev)  # prompt lengths: token j at lengths + j
+        self.min_tokens = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.max_tokens = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.recent = torch.full((rows, window), -1, dtype=torch.long, device=dev)  # (B, W) last tokens
+        self.tokens = torch.zeros((rows, max_seq), dtype=torch.long, device=dev)  # (B, steps) decoded ids
+        self.n_out = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.alive = torch.zeros(rows, dtype=torch.bool, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+
+    def step(self, kv_len: int) -> None:
+        """One token for every row, in place (the body of each graph)."""
+        tok = self.sampler(self.logp, self.n_out, self.min_tokens, self.recent)  # (B,)
+        appended = self.alive & (tok < self.model.dims.speech_token_size)  # any of the three stop ids ends a row
+        col = self.n_out.clamp(max=self.tokens.shape[1] - 1)
+        self.tokens.scatter_(1, col[:, None], tok[:, None])  # stopped rows write past their end: never read
+        self.n_out.add_(appended.long())
+        self.alive.copy_(appended & (self.n_out < self.max_tokens))
+        shifted = torch.cat([self.recent[:, 1:], tok[:, None]], dim=1)
+        self.recent.copy_(torch.where(appended[:, None], shifted, self.recent))
+        # The token just appended is token n_out - 1, fed at position lengths + n_out - 1. Rows that did
+        # not append rewrite a position of their own row, which no live sequence reads.
+        positions = (self.lengths + self.n_out - 1).clamp(0, self.max_seq - 1)
+        self.logp.copy_(self.model.decode_step(tokens=tok, positions=positions, kv_len=kv_len))
+
+    @torch.inference_mode()
+    def capture(self, pool) -> None:
+        """One graph per attention width, captured while every row is idle (prefill overwrites it all)."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for w in self.widths:
+                self.step(w)  # warm-up: cuBLAS handles, kernel selection
+        torch.cuda.current_stream().wait_stream(side)
+        for w in self.widths:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.step(w)
+            self.graphs[w] = graph
+        torch.cuda.synchronize()
+
+    @torch.inference_mode()
+    def run(self, need: int) -> None:
+        """One step attending over at least `need` cache positions."""
+        width = next(w for w in self.widths if w >= need)
+        graph = self.graphs.get(width)
+        if graph is not None:
+            graph.replay()
+        else:
+            self.step(width)
+
+    @torch.inference_mode()
+    def fill(self, slots: list[int], requests: list[LlmRequest]) -> None:
+        """Prefill requests into free rows and reset those rows' state."""
+        dev = self.logp.device
+        rows = torch.tensor(slots, device=dev)
+        embeds, lengths = self.model.embed_batch([(r.text_tokens, r.prompt_speech_tokens) for r in requests])
+        self.logp[rows] = self.model.prefill(embeds, lengths, rows=rows)
+        self.lengths[rows] = lengths
+        self.min_tokens[rows] = torch.tensor([r.min_tokens for r in requests], device=dev)
+        self.max_tokens[rows] = torch.tensor([r.max_tokens for r in requests], device=dev)
+        self.recent[rows] = -1
+        self.n_out[rows] = 0
+        self.alive[rows] = True
+        configs = [RasConfig(r.top_p, r.top_k, r.win_size, r.tau_r) for r in requests]
+        self.sampler.assign(rows, [r.seed for r in requests], configs, [r.greedy for r in requests])
+
+    @torch.inference_mode()
+    def collect(self, slots: list[int]) -> dict[int, list[int]]:
+        """One host sync: which of `slots` have stopped, with their tokens."""
+        alive, n_out = self.alive.tolist(), self.n_out.tolist()
+        stopped = [b for b in slots if not alive[b]]
+        if not stopped:
+            return {}
+        longest = max(n_out[b] for b in stopped)
+        tokens = self.tokens[stopped, :longest].tolist()
+        return {b: toks[: n_out[b]] for b, toks in zip(stopped, tokens)}
+
+
+class TorchLlmBackend(LlmBackend):
+    """Batched CosyVoice2 decoding in plain PyTorch; the whole decode step is a CUDA graph on GPU."""
+
+    name = "torch"
+
+    def __init__(
+        self,
+        model: CosyVoice2LM,
+        max_batch: int = 64,  # rows of the KV cache: at most this many requests decode at once
+        max_seq: int = 4096,  # positions of the KV cache: prompt + max_tokens must fit
+        cuda_graphs: bool | None = None,  # capture the step as CUDA graphs (default: on CUDA)
+        sync_every: int = 16,  # steps between host looks for finished rows
+        bucket_batches: bool | None = None,  # round the row count up to a power of two (default: with graphs)
+        window: int = 10,  # largest RAS win_size a request may use
+        kv_block: int = 128,  # attention-width granularity (one graph per multiple)
+        refill_div: int = 8,  # refill freed rows in groups of at least rows // refill_div
+    ):
+        self.model = model
+        self.max_batch, self.max_seq, self.sync_every = max_batch, max_seq, sync_every
+        self.window, self.refill_div = window, refill_div
+        device = model.llm_decoder.weight.device
+        self.cuda_graphs = device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        self.bucket = self.cuda_graphs if bucket_batches is None else bucket_batches
+        self.widths = sorted({min(max_seq, w) for w in range(kv_block, max_seq + kv_block, kv_block)})
+        model.setup_cache(max_batch, max_seq)
+        self._states: dict[int, _Rows] = {}
+        self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
+
+    @classmethod
+    def from_model_dir(
+        cls,
+        model_dir: str | Path,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        max_batch: int = 64,
+        max_seq: int = 4096,
+        cuda_graphs: bool | None = None,
+    ) -> TorchLlmBackend:
+        model = CosyVoice2LM.from_model_dir(model_dir, device=device, dtype=dtype)
+        return cls(model, max_batch=max_batch, max_seq=max_seq, cuda_graphs=cuda_graphs)
+
+    def _state(self, rows: int) -> _Rows:
+        """The decoding state for `rows` rows, made (and its graphs captured) on first use."""
+        if rows not in self._states:
+            state = _Rows(self.model, rows, self.window, self.widths)
+            if self.cuda_graphs:
+                state.capture(self._pool)
+            self._states[rows] = state
+        return self._states[rows]
+
+    def warmup(self) -> None:
+        """Capture the graphs of every row count `generate` can use, so no task waits for a capture."""
+        sizes = {_bucket(n, self.max_batch) for n in range(1, self.max_batch + 1)} if self.bucket else {self.max_batch}
+        for rows in sorted(sizes):
+            self._state(rows)
+
+    def close(self) -> None:
+        """Free the graphs, their memory pool's hold and the KV cache (the model stays loaded)."""
+        self._states.clear()
+        self.model.cache_k = self.model.cache_v = None
+
+    def _check(self, index: int, r: LlmRequest) -> None:
+        prompt_len = len(r.text_tokens) + len(r.prompt_speech_tokens) + 2
+        if r.max_tokens < 1 or r.min_tokens < 0:
+            raise ValueError(f"request {index}: max_tokens must be >= 1 and min_tokens >= 0")
+        if prompt_len + r.max_tokens > self.max_seq:
+            raise ValueError(f"request {index}: prompt ({prompt_len}) + max_tokens ({r.max_tokens}) exceeds max_seq {self.max_seq}")
+        if r.win_size > self.window:
+            raise ValueError(f"request {index}: win_size {r.win_size} above the backend's window {self.window}")
+        bad = [t for t in r.prompt_speech_tokens if not 0 <= t < self.model.dims.speech_token_size]
+        if bad or any(not 0 <= t < self.model.dims.vocab_size for t in r.text_tokens):
+            raise ValueError(f"request {index}: token id out of range")
+
+    def generate(self, requests: list[LlmRequest]) -> Iterator[LlmResult]:
+        for i, r in enumerate(requests):
+            self._check(i, r)
+        if not requests:
+            return
+        n_rows = min(len(requests), self.max_batch)
+        state = self._state(_bucket(n_rows, self.max_batch) if self.bucket else n_rows)
+        min_refill = max(1, state.rows // self.refill_div)
+        pending = deque(range(len(requests)))
+        owner: dict[int, int] = {}  # row -> index of the request decoding in it
+        offset: dict[int, int] = {}  # row -> prompt_len - step at prefill: its newest position is offset + s
+        ends: set[int] = set()  # steps at which some row reaches max_tokens
+        s = 0
+
+        def refill() -> None:
+            free = [b for b in range(state.rows) if b not in owner]
+            if not pending or not free:
+                return
+            if owner and len(free) < min(min_refill, len(pending)):
+                return  # wait for a bigger group: one batched prefill instead of many small ones
+            taken = [pending.popleft() for _ in free[: len(pending)]]
+            slots = free[: len(taken)]
+            state.fill(slots, [requests[i] for i in taken])
+            for b, i in zip(slots, taken):
+                r = requests[i]
+                owner[b] = i
+                offset[b] = len(r.text_tokens) + len(r.prompt_speech_tokens) + 2 - s
+                ends.add(s + r.max_tokens)
+
+        refill()
+        while owner:
+            state.run(min(max(offset.values()) + s + 1, self.max_seq))
+            s += 1
+            if s % self.sync_every == 0 or s in ends:
+                ends.discard(s)
+                for b, tokens in state.collect(sorted(owner)).items():
+                    yield LlmResult(index=owner.pop(b), tokens=tokens)
+                    del offset[b]
+                refill()

@@ -1,0 +1,309 @@
+"""The `vllm` language-model backend: continuous batching in vLLM, exact RAS in a logits processor.
+
+Each request enters the engine as prompt embeddings `[sos, embed(prompt_text ++ text), task_id,
+speech_embed(prompt_speech)]`, built here on CPU from `llm.pt`'s own tables (no tokenizer in the
+engine). vLLM then decodes speech tokens with the model class of `vllm_model.py`, and
+`ras.RasLogitsProcessor` turns each step's logits into the log of the official RAS distribution, so
+vLLM's seeded sampler draws exactly what the official two-step sampler would (in distribution).
+
+One scheduler: a single driver thread owns the engine and runs the `add_request` / `step()` loop.
+`generate()` calls from any thread hand their requests to it and receive each result as its request
+finishes, so concurrent callers share one continuously batched engine. The engine core runs in this
+process (no engine-core subprocess), which also keeps the model registration and the logits
+processor visible to it without an installed entry point.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from voxbatch.worker.cosyvoice2.checkpoint import load_state_dict
+from voxbatch.worker.cosyvoice2.llm_backend import LlmBackend, LlmRequest, LlmResult
+from voxbatch.worker.cosyvoice2.vllm_export import LlmDims, export_for_vllm, read_dims
+
+log = logging.getLogger(__name__)
+
+SOS, TASK_ID = 0, 1  # rows of llm_embedding
+
+
+class PromptEmbedder:
+    """The three embedding tables of `llm.pt` the prompt needs, kept on CPU."""
+
+    def __init__(self, model_dir: str | Path, dims: LlmDims):
+        sd = load_state_dict(model_dir, "llm.pt")
+        self.special = sd["llm_embedding.weight"].float().clone()  # (2, D): sos, task_id
+        self.text = sd["llm.model.model.embed_tokens.weight"].float().clone()  # (V_text, D)
+        self.speech = sd["speech_embedding.weight"].float().clone()  # (S+3, D)
+        self.dims = dims
+
+    def __call__(self, r: LlmRequest) -> torch.Tensor:
+        """(1 + T_text + 1 + T_tok, D) float32."""
+        text = torch.tensor(r.text_tokens, dtype=torch.long)
+        speech = torch.tensor(r.prompt_speech_tokens, dtype=torch.long)
+        return torch.cat([self.special[SOS : SOS + 1], self.text[text], self.special[TASK_ID : TASK_ID + 1], self.speech[speech]])
+
+    def check(self, index: int, r: LlmRequest) -> None:
+        if r.max_tokens < 1 or r.min_tokens < 0:
+            raise ValueError(f"request {index}: max_tokens must be >= 1 and min_tokens >= 0")
+        if any(not 0 <= t < self.text.shape[0] for t in r.text_tokens):
+            raise ValueError(f"request {index}: text token id out of range [0, {self.text.shape[0]})")
+        if any(not 0 <= t < self.dims.speech_token_size for t in r.prompt_speech_tokens):
+            raise ValueError(f"request {index}: prompt speech token out of range [0, {self.dims.speech_token_size})")
+
+
+@dataclass(frozen=True)
+class VllmOptions:
+    gpu_memory_utilization: float = 0.45  # settings.vllm_gpu_memory_utilization (GPU only)
+    max_model_len: int = 4096  # prompt + generated tokens per request
+    max_num_seqs: int = 64  # sequences decoded together
+    kv_cache_bytes_cpu: int = 256 * 2**20  # KV cache size on CPU (vLLM's CPU default is GiBs)
+    export_cache_dir: str | None = None  # where the vLLM folder goes (default: see vllm_export)
+    dtype: str | None = None  # "float32" / "bfloat16"; None: float32 on CPU, bfloat16 on GPU (parity checks ask float32)
+
+
+class _Job:
+    """One `generate()` call: its result queue and the engine request ids still open."""
+
+    def __init__(self, ids: list[str]):
+        self.results: queue.Queue[LlmResult | BaseException] = queue.Queue()
+        self.open = set(ids)
+
+
+class VllmLlmBackend(LlmBackend):
+    name = "vllm"
+
+    def __init__(self, model_dir: str | Path, options: VllmOptions | None = None):
+        from voxbatch.worker.cosyvoice2 import vllm_model
+
+        self.options = options or VllmOptions()
+        self.dims = read_dims(model_dir)
+        self.embedder = PromptEmbedder(model_dir, self.dims)
+        folder = export_for_vllm(model_dir, self.options.export_cache_dir)
+        vllm_model.register()
+        self._threads = torch.get_num_threads()  # the process's intra-op threads, for the driver thread
+        self.engine, self.dtype = _build_engine(folder, self.options)
+        self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._ids = itertools.count()
+        self._failed: BaseException | None = None
+        self._driver = threading.Thread(target=self._drive, name="vllm-driver", daemon=True)
+        self._driver.start()
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> VllmLlmBackend:
+        if not settings.model_dir:
+            raise ValueError("the vllm backend needs settings.model_dir")
+        device = getattr(settings, "llm_device", None)
+        if device and device.startswith("cuda:") and device != "cuda:0":
+            # vLLM places its worker on the first visible GPU; the launcher picks the GPU through
+            # CUDA_VISIBLE_DEVICES before anything touches CUDA.
+            log.warning("llm_device=%s: the vllm backend uses the first visible GPU (set CUDA_VISIBLE_DEVICES)", device)
+        options = VllmOptions(
+            gpu_memory_utilization=settings.vllm_gpu_memory_utilization,
+            max_model_len=settings.vllm_max_model_len,
+            max_num_seqs=settings.engine_max_batch,
+            dtype=None if settings.llm_dtype == "auto" else settings.llm_dtype,
+        )
+        return cls(settings.model_dir, options)
+
+    @property
+    def max_seq(self) -> int:
+        """Positions one request may use (prompt + generated); the engine caps max_tokens to fit."""
+        return self.options.max_model_len
+
+    # -- the caller side ---------------------------------------------------------------------------
+
+    def generate(self, requests: list[LlmRequest]) -> Iterator[LlmResult]:
+        for i, r in enumerate(requests):
+            self.embedder.check(i, r)
+            prompt_len = len(r.text_tokens) + len(r.prompt_speech_tokens) + 2
+            if prompt_len + r.max_tokens > self.options.max_model_len:
+                raise ValueError(
+                    f"request {i}: prompt ({prompt_len}) + max_tokens ({r.max_tokens}) exceeds max_model_len {self.options.max_model_len}"
+                )
+        if not requests:
+            return
+        if self._failed is not None:
+            raise RuntimeError("the vLLM engine failed earlier") from self._failed
+        ids = [f"r{next(self._ids)}" for _ in requests]
+        items = [(rid, {"prompt_embeds": self.embedder(r).to(self.dtype)}, self._sampling_params(r)) for rid, r in zip(ids, requests)]
+        job = _Job(ids)
+        index_of = {rid: i for i, rid in enumerate(ids)}
+        self._inbox.put(("add", (job, index_of, items)))
+        done = 0
+        try:
+            while done < len(requests):
+                try:
+                    item = job.results.get(timeout=1.0)
+                except queue.Empty:
+                    if not self._driver.is_alive():  # stopped or failed before taking this call
+                        raise RuntimeError("the vLLM driver thread is not running") from self._failed
+                    continue
+                if isinstance(item, BaseException):
+                    raise RuntimeError(f"vLLM failed on this batch: {item}") from item
+                done += 1
+                yield item
+        finally:
+            if done < len(requests):  # caller stopped early: free the engine slots
+                self._inbox.put(("abort", ids))
+
+    def _sampling_params(self, r: LlmRequest) -> Any:
+        from vllm import SamplingParams
+
+        from voxbatch.worker.cosyvoice2.ras import RasParams, ras_extra_args
+
+        ras = RasParams(
+            eos_id=self.dims.speech_token_size,
+            min_tokens=r.min_tokens,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            win_size=r.win_size,
+            tau_r=r.tau_r,
+            greedy=r.greedy,
+        )
+        # min_tokens stays 0 in vLLM: its own min_tokens would mask all stop ids, the official only eos.
+        return SamplingParams(
+            n=1,
+            temperature=0.0 if r.greedy else 1.0,
+            seed=None if r.greedy else r.seed,
+            max_tokens=r.max_tokens,
+            stop_token_ids=list(self.dims.stop_ids),
+            detokenize=False,
+            extra_args=ras_extra_args(ras),
+        )
+
+    def close(self) -> None:
+        """Stop the driver thread and the engine core (frees the KV cache)."""
+        if self._driver.is_alive():
+            self._inbox.put(("stop", None))
+            self._driver.join(timeout=60)
+        core = getattr(self.engine, "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
+
+    # -- the driver thread -------------------------------------------------------------------------
+
+    def _drive(self) -> None:
+        # A new thread starts with OpenMP's default thread count, not the one torch.set_num_threads gave
+        # the process; vLLM's CPU attention plans its work split with the former and checks it against
+        # the latter ("thread_num == thread_num (2 vs. 1)" on a long prompt). torch._C's own setter:
+        # vLLM's CPU worker replaces torch.set_num_threads with a no-op.
+        torch._C.set_num_threads(self._threads)
+        owners: dict[str, tuple[_Job, int]] = {}
+        stop_ids = set(self.dims.stop_ids)
+        while True:
+            idle = not self.engine.has_unfinished_requests()
+            try:
+                msg = self._inbox.get(block=idle)
+            except queue.Empty:
+                msg = None
+            while msg is not None:
+                kind, payload = msg
+                if kind == "stop":
+                    return
+                if kind == "add":
+                    job, index_of, items = payload
+                    added: list[str] = []
+                    try:
+                        for rid, prompt, params in items:
+                            self.engine.add_request(rid, prompt, params)
+                            owners[rid] = (job, index_of[rid])
+                            added.append(rid)
+                    except Exception as e:  # noqa: BLE001 - a rejected request fails its own call only
+                        for rid in added:
+                            owners.pop(rid, None)
+                        if added:
+                            self.engine.abort_request(added)
+                        job.results.put(e)
+                elif kind == "abort":
+                    live = [rid for rid in payload if rid in owners]
+                    for rid in live:
+                        owners.pop(rid)
+                    if live:
+                        self.engine.abort_request(live)
+                try:
+                    msg = self._inbox.get_nowait()
+                except queue.Empty:
+                    msg = None
+            if not self.engine.has_unfinished_requests():
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # noqa: BLE001 - handed to every waiting caller, then the loop ends
+                log.exception("vLLM engine step failed")
+                self._failed = e
+                for job, _ in owners.values():
+                    job.results.put(e)
+                return
+            for out in outputs:
+                if not out.finished or out.request_id not in owners:
+                    continue
+                job, index = owners.pop(out.request_id)
+                tokens = list(out.outputs[0].token_ids)
+                if tokens and tokens[-1] in stop_ids:  # the stop token is never a speech token
+                    tokens.pop()
+                job.results.put(LlmResult(index=index, tokens=tokens))
+
+
+def _build_engine(folder: Path, options: VllmOptions) -> tuple[Any, torch.dtype]:
+    """An in-process vLLM engine for the exported folder, with the RAS logits processor."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.platforms import current_platform
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    try:  # moved in vLLM 0.11
+        from vllm.v1.executor import Executor
+    except ImportError:
+        from vllm.v1.executor.abstract import Executor
+
+    from voxbatch.worker.cosyvoice2.ras import RasLogitsProcessor, RasLogitsProcessorV2
+
+    on_cpu = current_platform.is_cpu()
+    dtype_name = options.dtype or ("float32" if on_cpu else "bfloat16")
+    dtype = getattr(torch, dtype_name)
+    kwargs: dict[str, Any] = dict(
+        model=str(folder),
+        skip_tokenizer_init=True,
+        enable_prompt_embeds=True,
+        dtype=dtype_name,
+        max_model_len=options.max_model_len,
+        max_num_seqs=options.max_num_seqs,
+        enforce_eager=on_cpu,
+        enable_prefix_caching=False,  # prompts share only sos + prompt text; not worth hashing embeddings
+        logits_processors=[RasLogitsProcessor],
+        disable_log_stats=True,
+        seed=0,
+    )
+    if on_cpu:
+        kwargs["kv_cache_memory_bytes"] = options.kv_cache_bytes_cpu
+        # A prompt split over two steps (chunked prefill) makes vLLM's CPU sampler advance a seeded
+        # request's generator by offset, which the CPU generator refuses ("CPU Generator does not use
+        # offset"): a batch of long seeded prompts failed whole. Whole prompts only, on CPU.
+        kwargs["enable_chunked_prefill"] = False
+        kwargs["max_num_batched_tokens"] = max(options.max_model_len, 2048)
+    else:
+        kwargs["gpu_memory_utilization"] = options.gpu_memory_utilization
+    vllm_config = EngineArgs(**kwargs).create_engine_config()
+    if on_cpu and vllm_config.parallel_config.world_size == 1:
+        # vLLM's CPU platform switches to a worker subprocess unless VLLM_ENABLE_V1_MULTIPROCESSING=0;
+        # keep the worker in this process (what that variable does) so it sees our registrations.
+        vllm_config.parallel_config.distributed_executor_backend = "uni"
+    if getattr(vllm_config, "use_v2_model_runner", False):
+        if RasLogitsProcessorV2 is None:
+            raise RuntimeError("this vLLM runs Model Runner V2 without its logits-processor API: set VLLM_USE_V2_MODEL_RUNNER=0")
+        vllm_config.model_config.logits_processors = [RasLogitsProcessorV2]
+    engine = LLMEngine(
+        vllm_config=vllm_config,
+        executor_class=Executor.get_class(vllm_config),
+        log_stats=False,
+        multiprocess_mode=False,
+    )
+    return engine, dtype

@@ -1,0 +1,133 @@
+"""The interface the worker drives, and the registry that builds an engine from settings.
+
+An engine turns batches of segment texts into audio. The worker's pipeline (worker/pipeline.py) owns
+the threads: it feeds `Engine.serve` from an intake queue and takes finished audio from the
+`emit` callback into the bounded output queue (the double buffer). Engines that batch continuously
+(vLLM) override `serve`; the rest implement `synthesize` and get the batching loop for free.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from voxbatch.models import SynthesisParams
+from voxbatch.settings import Settings
+
+
+@dataclass(frozen=True)
+class SynthesisRequest:
+    """One segment to synthesize. `tag` is opaque to the engine and comes back with the result."""
+
+    segment_id: str
+    text: str
+    voice: str
+    seed: int
+    params: SynthesisParams = field(default_factory=SynthesisParams)
+    tag: object = None
+    solo: bool = False  # render in a batch of its own (a suspect: its last attempt died with its worker)
+
+
+@dataclass(frozen=True)
+class SynthesisResult:
+    request: SynthesisRequest
+    audio: np.ndarray | None  # float32 mono in [-1, 1], at engine.sample_rate; None when it failed
+    error: str | None = None
+
+
+class Engine(ABC):
+    name: str
+    sample_rate: int
+    # Most requests `synthesize` is given at once.
+    max_batch: int = 64
+
+    def warmup(self) -> None:
+        """Run a small batch so kernels, graphs and caches are ready before the first task."""
+        list(self.synthesize([SynthesisRequest("warmup", "Warm up.", "default", 0)]))
+
+    @abstractmethod
+    def synthesize(self, batch: list[SynthesisRequest]) -> Iterator[SynthesisResult]:
+        """Synthesize a batch; yield each result as soon as it is ready (any order)."""
+
+    def serve(self, intake: "queue.Queue[SynthesisRequest | None]", emit: Callable[[SynthesisResult], None],
+              stop: threading.Event, observe: Callable[[int, float, float], None] | None = None,
+              admit: Callable[[list[SynthesisRequest]], list[SynthesisRequest]] | None = None) -> None:
+        """Drain `intake` in batches of up to `max_batch` until `stop` is set or None arrives.
+
+        A `solo` request gets a batch of its own. `admit(batch)` is called as a batch starts and
+        returns what to render now (the pipeline counts attempts there: only a segment that reaches the
+        engine spends one). A failing batch is retried one request at a time, so one bad segment fails
+        alone. `observe(batch_size, audio_s, wall_s)` is told about every batch (metrics).
+        """
+        held: list[SynthesisRequest] = []  # solo requests met while filling a batch
+        while not stop.is_set():
+            if held:
+                first = held.pop(0)
+            else:
+                try:
+                    first = intake.get(timeout=0.1)
+                except queue.Empty:
+                    continue
+            if first is None:
+                return
+            batch = [first]
+            while not first.solo and len(batch) < self.max_batch:
+                try:
+                    nxt = intake.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    intake.put(None)
+                    break
+                if nxt.solo:
+                    held.append(nxt)
+                else:
+                    batch.append(nxt)
+            if admit is not None:
+                batch = admit(batch)
+                if not batch:
+                    continue
+            t0 = time.perf_counter()
+            audio_s = 0.0
+
+            def counted(result: SynthesisResult) -> None:
+                nonlocal audio_s
+                if result.audio is not None:
+                    audio_s += len(result.audio) / self.sample_rate
+                emit(result)
+
+            self._run_batch(batch, counted)
+            if observe is not None:
+                observe(len(batch), audio_s, time.perf_counter() - t0)
+
+    def _run_batch(self, batch: list[SynthesisRequest], emit: Callable[[SynthesisResult], None]) -> None:
+        pending = {id(r): r for r in batch}
+        try:
+            for result in self.synthesize(batch):
+                pending.pop(id(result.request), None)
+                emit(result)
+        except Exception as e:  # noqa: BLE001 - any engine failure becomes a per-segment error
+            if len(batch) == 1:
+                emit(SynthesisResult(batch[0], None, f"{type(e).__name__}: {e}"))
+                return
+            for r in pending.values():
+                self._run_batch([r], emit)
+
+
+def build_engine(settings: Settings) -> Engine:
+    """The engine named by settings.engine, loaded and ready (not yet warmed)."""
+    if settings.engine == "tone":
+        from voxbatch.worker.tone import ToneEngine
+
+        return ToneEngine(max_batch=settings.engine_max_batch, rtf=settings.tone_rtf)
+    if settings.engine == "cosyvoice2":
+        from voxbatch.worker.cosyvoice2.engine import CosyVoice2Engine
+
+        return CosyVoice2Engine.from_settings(settings)
+    raise ValueError(f"unknown engine {settings.engine!r}")

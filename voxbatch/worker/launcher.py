@@ -1,0 +1,85 @@
+"""`voxbatch worker --gpus 0,1`: one pinned worker process per GPU, restarted if it dies.
+
+CUDA_VISIBLE_DEVICES is set in each child's environment before the child starts, so the pinning
+holds before anything imports torch. A child that exits unexpectedly (SIGKILL, OOM) is started
+again after a backoff that doubles with each quick death and resets once a child has run for
+`HEALTHY_S`; its unacknowledged task returns to the queue through the broker's visibility timeout,
+and the per-segment attempt counter in Redis ends a poison task's loop. SIGTERM/SIGINT are passed
+on: each child stops taking tasks, gives its in-flight segments the shutdown window, hands back
+what is unfinished (worker/main.py), and the launcher exits when all children have.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+# A child that ran this long before dying is not crash-looping: its next restart waits the least.
+HEALTHY_S = 60.0
+
+
+def _spawn(gpu: str | None, concurrency: int | None, queues: str | None,
+           env_overrides: dict[str, str]) -> subprocess.Popen:
+    env = {**os.environ, **env_overrides}
+    cmd = [sys.executable, "-m", "voxbatch.worker.main"]
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpu
+        cmd += ["--gpu", gpu, "--hostname", f"voxbatch-gpu{gpu}@{socket.gethostname()}"]
+    if concurrency:
+        cmd += ["--concurrency", str(concurrency)]
+    if queues:
+        cmd += ["--queues", queues]
+    return subprocess.Popen(cmd, env=env)
+
+
+def run_workers(gpus: list[str] | None, concurrency: int | None = None, queues: str | None = None,
+                restart: bool = True, env_overrides: dict[str, str] | None = None) -> int:
+    """Start one process per GPU (or one unpinned process when `gpus` is None) and supervise them.
+
+    `env_overrides` carries settings given as CLI flags (VOXBATCH_ENGINE=...) to the children.
+    """
+    slots: list[str | None] = list(gpus) if gpus else [None]
+    extra = dict(env_overrides or {})
+    procs = {slot: _spawn(slot, concurrency, queues, extra) for slot in slots}
+    started = {slot: time.monotonic() for slot in slots}
+    stopping = False
+
+    def _forward(signum, _frame):
+        nonlocal stopping
+        stopping = True
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, _forward)
+    signal.signal(signal.SIGINT, _forward)
+    restarts = {slot: 0 for slot in slots}
+    while True:
+        time.sleep(0.5)
+        if stopping:
+            for p in procs.values():
+                p.wait()
+            return 0
+        for slot, p in list(procs.items()):
+            code = p.poll()
+            if code is None:
+                continue
+            if not restart:
+                return code
+            if time.monotonic() - started[slot] >= HEALTHY_S:
+                restarts[slot] = 0
+            restarts[slot] += 1
+            delay = min(30.0, 0.5 * 2 ** min(restarts[slot], 6))
+            print(f"voxbatch: worker for GPU {slot} exited with {code}; restarting in {delay:.1f}s",
+                  file=sys.stderr, flush=True)
+            time.sleep(delay)
+            if stopping:
+                break  # a SIGTERM arrived during the backoff: no new child, nothing to pass it to
+            procs[slot] = _spawn(slot, concurrency, queues, extra)
+            started[slot] = time.monotonic()
+            if stopping:  # it arrived while spawning, before the new child was in `procs`
+                procs[slot].send_signal(signal.SIGTERM)

@@ -1,0 +1,102 @@
+"""One worker process: pinned to at most one GPU, engine built and warmed, then Celery consumes.
+
+Run by the launcher (`voxbatch worker --gpus ...`) with CUDA_VISIBLE_DEVICES already set, so nothing
+in this process can touch another GPU. Celery runs the thread pool: the CUDA context lives in this
+one process and is never forked.
+
+Shutdown (SIGTERM from the launcher, Kubernetes or compose): Celery stops consuming and waits for the
+running render tasks, but without limit (its warm shutdown). `_bound_shutdown` adds the limit: after
+`shutdown_window_s` the pipeline abandons what is unfinished, those tasks go back to the queue
+(Reject with requeue), and the process exits, storing only what the engine has already rendered.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import threading
+import time
+
+from celery import signals
+
+from voxbatch.celery_app import app, configure_celery, send_assemble, shutdown_window_s
+from voxbatch.jobstate import RedisJobStore
+from voxbatch.settings import load_settings
+from voxbatch.storage import open_storage
+
+log = logging.getLogger("voxbatch.worker")
+
+# After the shutdown window, how long the engine and upload threads may still store what is rendered.
+STOP_GRACE_S = 5.0
+
+
+def _bound_shutdown(pipeline, window_s: float) -> None:
+    """On Celery's (warm) shutdown, give in-flight tasks `window_s`, then abandon the rest.
+
+    Connected to `worker_shutting_down`, which Celery sends from its SIGTERM/SIGINT handler in the
+    main thread; the handler only starts a thread, once however many signals arrive.
+    """
+    armed = threading.Lock()
+
+    def on_shutting_down(**_) -> None:
+        if armed.acquire(blocking=False):
+            threading.Thread(target=_abandon_after, args=(pipeline, window_s), name="shutdown-window",
+                             daemon=True).start()
+
+    signals.worker_shutting_down.connect(on_shutting_down, weak=False)
+
+
+def _abandon_after(pipeline, window_s: float) -> None:
+    log.warning("shutting down: in-flight render tasks have %.0fs to finish", window_s)
+    time.sleep(window_s)
+    handed_back = pipeline.abandon()
+    log.warning("shutdown window over: %d unfinished render task(s) handed back to the queue", handed_back)
+
+
+def serve(gpu: str | None, concurrency: int | None, queues: str | None, hostname: str | None) -> None:
+    from voxbatch.worker import tasks
+    from voxbatch.worker.engine import build_engine
+    from voxbatch.worker.pipeline import Pipeline
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = load_settings()
+    log.info("worker for GPU %s: CUDA_VISIBLE_DEVICES=%s", gpu, os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>"))
+    configure_celery(settings)
+    engine = build_engine(settings)
+    engine.warmup()
+    metrics = None
+    if settings.metrics_port:
+        from voxbatch.worker.metrics import Metrics
+
+        metrics = Metrics(worker=hostname or socket.gethostname(), gpu=gpu or "cpu")
+        metrics.serve(settings.metrics_port + (int(gpu) if gpu and gpu.isdigit() else 0))
+    pipeline = Pipeline(engine, open_storage(settings), RedisJobStore.from_url(settings.broker_url), settings,
+                        on_job_complete=lambda job_id: send_assemble(job_id, settings.assemble_queue),
+                        metrics=metrics).start()
+    tasks.install(pipeline)
+    _bound_shutdown(pipeline, shutdown_window_s(settings))
+    name = hostname or f"voxbatch-{'gpu' + gpu if gpu is not None else 'cpu'}@{socket.gethostname()}"
+    try:
+        app.worker_main([
+            "worker", "--pool", "threads", "--concurrency", str(concurrency or settings.task_concurrency),
+            "--queues", queues or settings.render_queue, "--hostname", name,
+            "--without-gossip", "--without-mingle", "--loglevel", "INFO",
+        ])
+    finally:
+        pipeline.stop(timeout_s=STOP_GRACE_S)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="one voxbatch worker process (started by `voxbatch worker`)")
+    parser.add_argument("--gpu", default=None)
+    parser.add_argument("--concurrency", type=int, default=None)
+    parser.add_argument("--queues", default=None)
+    parser.add_argument("--hostname", default=None)
+    a = parser.parse_args()
+    serve(a.gpu, a.concurrency, a.queues, a.hostname)
+
+
+if __name__ == "__main__":
+    main()
