@@ -57,6 +57,7 @@ def _abandon_after(pipeline, window_s: float) -> None:
 
 def serve(gpu: str | None, concurrency: int | None, queues: str | None, hostname: str | None) -> None:
     from voxbatch.worker import tasks
+    from voxbatch.worker.budget import task_threads
     from voxbatch.worker.engine import build_engine
     from voxbatch.worker.pipeline import Pipeline
 
@@ -80,7 +81,7 @@ def serve(gpu: str | None, concurrency: int | None, queues: str | None, hostname
     name = hostname or f"voxbatch-{'gpu' + gpu if gpu is not None else 'cpu'}@{socket.gethostname()}"
     try:
         app.worker_main([
-            "worker", "--pool", "threads", "--concurrency", str(concurrency or settings.task_concurrency),
+            "worker", "--pool", "threads", "--concurrency", str(concurrency or task_threads(settings)),
             "--queues", queues or settings.render_queue, "--hostname", name,
             "--without-gossip", "--without-mingle", "--loglevel", "INFO",
         ])

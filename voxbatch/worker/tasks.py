@@ -6,19 +6,24 @@ worker that dies mid-task leaves the message to be redelivered; the redelivery s
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 from celery.exceptions import Reject
 
 from voxbatch.celery_app import RENDER_TASK, app
 from voxbatch.models import RenderTask
+from voxbatch.worker.budget import SegmentBudget, inflight_segments
 from voxbatch.worker.pipeline import Pipeline, TaskAbandoned
 
 _pipeline: Pipeline | None = None
+_budget: SegmentBudget | None = None  # segments in flight, whatever the tasks' size (budget.py)
 
 
 def install(pipeline: Pipeline) -> None:
     """Called once by the worker process after the engine is warm, before it consumes tasks."""
-    global _pipeline
+    global _pipeline, _budget
     _pipeline = pipeline
+    _budget = SegmentBudget(inflight_segments(pipeline.settings))
 
 
 @app.task(name=RENDER_TASK)
@@ -27,7 +32,8 @@ def render(payload: dict) -> dict:
         raise RuntimeError("render task received before the worker's pipeline was installed")
     task = RenderTask.model_validate(payload)
     try:
-        _pipeline.submit(task).wait()
+        with _budget.hold(len(task.segments)) if _budget is not None else nullcontext():
+            _pipeline.submit(task).wait()
     except TaskAbandoned as e:
         raise Reject(str(e), requeue=True) from e
     return {"job": task.job_id, "segments": len(task.segments)}

@@ -19,7 +19,9 @@ The flow is always conditioned on the voice (prompt tokens, prompt mel, speaker 
 from __future__ import annotations
 
 import logging
+import queue
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -33,11 +35,13 @@ from voxbatch.models import SynthesisParams
 from voxbatch.settings import Settings
 from voxbatch.voice import VoiceProfile
 from voxbatch.worker.cosyvoice2.flow import CausalFlow
+from voxbatch.worker.cosyvoice2.forced_lengths import forced_speech_tokens
 from voxbatch.worker.cosyvoice2.hift import HiFTGenerator
 from voxbatch.worker.cosyvoice2.hub import resolve_model_dir
 from voxbatch.worker.cosyvoice2.llm_backend import LlmBackend, LlmRequest
 from voxbatch.worker.cosyvoice2.tokenizer import CosyVoice2Tokenizer
 from voxbatch.worker.engine import Engine, SynthesisRequest, SynthesisResult
+from voxbatch.worker.cosyvoice2.streaming import StreamingScheduler
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +141,17 @@ def time_scale(mel: torch.Tensor, speed: float) -> torch.Tensor:
     return F.interpolate(mel[None], size=frames, mode="linear")[0]
 
 
+def to_host(t: torch.Tensor) -> np.ndarray:
+    """Device -> host through pinned memory on the current stream: the copy waits only for this
+    stream's work (flow/HiFT), never for the LLM decoding on another."""
+    if t.device.type != "cuda":
+        return t.numpy()
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    torch.cuda.current_stream(t.device).synchronize()
+    return host.numpy()
+
+
 class CosyVoice2Engine(Engine):
     name = "cosyvoice2"
 
@@ -151,9 +166,11 @@ class CosyVoice2Engine(Engine):
         max_batch: int = 64,  # requests `synthesize` takes at once (the LLM decodes them together)
         flow_batch: int = 16,  # most rows in one flow + HiFT batch
         voice_cache_size: int = 32,
+        forced_lengths: bool = False,  # benchmark only (Settings.engine_forced_lengths)
     ):
         self.tokenizer, self.llm, self.flow, self.hift = tokenizer, llm, flow, hift
         self.max_batch, self.flow_batch = max_batch, flow_batch
+        self.forced_lengths = forced_lengths
         self.speech_token_size = speech_token_size
         self.sample_rate = hift.d.sampling_rate
         self.samples_per_token = flow.dims.token_mel_ratio * hift.d.samples_per_frame  # 960 at 24 kHz
@@ -217,7 +234,8 @@ class CosyVoice2Engine(Engine):
             flow.decoder.compile_estimator()  # compiled by warmup(), before the first task
         hift = HiFTGenerator.from_model_dir(model_dir, device=p.hift_device, dtype=p.hift_dtype)
         log.info("cosyvoice2 engine: %s; llm=%s on %s, flow on %s, hift on %s", model_dir, llm.name, p.llm_device, p.flow_device, p.hift_device)
-        return cls(tokenizer, llm, flow, hift, load_voice, dims.speech_token_size, max_batch=max_batch, flow_batch=flow_batch)
+        return cls(tokenizer, llm, flow, hift, load_voice, dims.speech_token_size, max_batch=max_batch, flow_batch=flow_batch,
+                   forced_lengths=bool(settings is not None and settings.engine_forced_lengths))
 
     # -- voices ------------------------------------------------------------------------------------
 
@@ -272,6 +290,8 @@ class CosyVoice2Engine(Engine):
         else:
             raise ValueError(f"unknown mode {p.mode!r}")
         max_tokens = MAX_TOKENS_PER_TEXT_TOKEN * len(text)
+        if self.forced_lengths:
+            max_tokens = forced_speech_tokens(request.text)
         if p.max_tokens is not None:
             max_tokens = min(max_tokens, p.max_tokens)
         # The one place max_tokens meets the backend's capacity: `max_seq` is the torch backend's KV
@@ -285,7 +305,7 @@ class CosyVoice2Engine(Engine):
         return LlmRequest(
             text_tokens=list(prefix) + text,
             prompt_speech_tokens=list(prompt_speech),
-            min_tokens=min(MIN_TOKENS_PER_TEXT_TOKEN * len(text), max_tokens),
+            min_tokens=max_tokens if self.forced_lengths else min(MIN_TOKENS_PER_TEXT_TOKEN * len(text), max_tokens),
             max_tokens=max_tokens,
             seed=request.seed,
             top_p=p.top_p,
@@ -311,6 +331,17 @@ class CosyVoice2Engine(Engine):
         backend_warmup = getattr(self.llm, "warmup", None)
         if backend_warmup is not None:
             backend_warmup()
+
+    def serve(self, intake, emit, stop, observe=None, admit=None) -> None:
+        """The worker's loop: one streaming scheduler (streaming.py) over the LLM backend's continuous
+        batching and a flow/HiFT thread on its own CUDA stream; the Pipeline contract of `Engine.serve`."""
+        StreamingScheduler(self, intake, emit, stop, observe, admit).run()
+
+    def item(self, request: SynthesisRequest) -> _Item:
+        """A request made ready for the LLM (voice prepared, input composed); raises LookupError or
+        ValueError for a missing/bad voice or text, which fails that segment only."""
+        voice = self.voices.get(request.voice)
+        return _Item(request, voice, self.llm_request(request, voice))
 
     def synthesize(self, batch: list[SynthesisRequest]) -> Iterator[SynthesisResult]:
         items: list[_Item] = []
@@ -365,6 +396,6 @@ class CosyVoice2Engine(Engine):
         mel = _pad([m.transpose(0, 1) for m in mels], mel_lens).transpose(1, 2)  # (B, 80, T_mel)
         generators = [torch.Generator(device=hift_dev).manual_seed(s) for s in seeds]
         wav, _ = self.hift.inference(mel, torch.tensor(mel_lens, device=hift_dev), generators)  # (B, T_wav)
-        wav = wav.float().cpu().numpy()
+        wav = to_host(wav.float())
         spf = self.hift.d.samples_per_frame
         return [np.ascontiguousarray(wav[i, : n * spf]) for i, n in enumerate(mel_lens)]
