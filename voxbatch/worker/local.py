@@ -21,14 +21,15 @@ from voxbatch.worker.pipeline import Pipeline
 
 def render_local(path: str | Path, out_dir: str | Path, voice: str, settings: Settings, *,
                  name: str | None = None, fmt: AudioFormat | None = None, params: SynthesisParams | None = None,
-                 engine: Engine | None = None, on_progress=None) -> Manifest:
+                 engine: Engine | None = None, on_progress=None, title: str | None = None,
+                 author: str | None = None) -> Manifest:
     """Render a corpus into `out_dir` (layout as in storage: jobs/<id>/...); returns the manifest.
 
     Segments are measured with the tokenizer of `settings.model_dir` unless the engine (`engine`, else
     `settings.engine`) is the tone engine or no model dir is set (`producer.submit.segment_length_fn`)."""
     storage = LocalStorage(out_dir)
     spec = plan_job(path, voice, settings, name=name, fmt=fmt, params=params,
-                    engine=engine.name if engine is not None else settings.engine)
+                    engine=engine.name if engine is not None else settings.engine, title=title, author=author)
     check_voice(storage, voice)
     engine = engine or build_engine(settings)
     jobs = MemoryJobStore()
