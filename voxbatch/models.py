@@ -60,9 +60,14 @@ class Chapter(Frozen):
 class Segment(Frozen):
     """One unit of synthesis: a few sentences, rendered into one audio file."""
 
-    chapter: int = Field(ge=0)
+    chapter: int = Field(ge=0)  # the item's position for a line-item batch
     index: int = Field(ge=0)  # position within the chapter
-    text: str = Field(min_length=1)
+    text: str = Field(min_length=1)  # what is spoken (normalized, lexicon applied, cast prefix removed)
+    # Per-segment overrides (cast members, line items); None means the job's voice / speed / a seed
+    # derived from the content (`content_seed`).
+    voice: str | None = None
+    speed: float | None = Field(None, gt=0.25, le=4.0)
+    seed: int | None = Field(None, ge=0, lt=2**32)
 
     @property
     def id(self) -> str:
@@ -79,6 +84,14 @@ def segment_seed(job_id: str, seg_id: str) -> int:
     return int.from_bytes(hashlib.blake2b(f"{job_id}/{seg_id}".encode(), digest_size=4).digest(), "little")
 
 
+def content_seed(text: str, voice: str, params: "SynthesisParams") -> int:
+    """Sampling seed derived from what is spoken, by whom and how, never from the position in the
+    book: the same paragraph in an edited book (or another job) gets the same seed, so its stored
+    audio can be reused (`voxbatch/reuse.py`)."""
+    data = "\x1f".join([text, voice, params.model_dump_json()]).encode()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=4, person=b"vb-seed").digest(), "little")
+
+
 class JobSpec(Frozen):
     """The job as submitted; stored at jobs/<id>/job.json before any task is enqueued."""
 
@@ -91,6 +104,18 @@ class JobSpec(Frozen):
     segments: list[Segment]
     created_at: float
     source: str  # the path the user submitted
+    # "book": chapters, book.m4b; "items": a line-item batch (.jsonl/.csv), one file per item id
+    # (`spec.chapters` then holds the item ids, a segment's `chapter` its item's position).
+    kind: Literal["book", "items"] = "book"
+    cast: dict[str, str] = {}  # `--cast`: speaker name -> voice
+    lexicon_sha256: str | None = None  # `--lexicon`: hash of its entries (they changed the spoken text)
+    reuse: bool = True  # False (`--no-reuse`): render every segment even when its audio is stored
+
+    def voice_of(self, seg: Segment) -> str:
+        return seg.voice or self.voice
+
+    def params_of(self, seg: Segment) -> SynthesisParams:
+        return self.params if seg.speed is None else self.params.model_copy(update={"speed": seg.speed})
 
 
 class TaskSegment(Frozen):
@@ -111,6 +136,9 @@ class RenderTask(Frozen):
     format: AudioFormat
     params: SynthesisParams
     segments: list[TaskSegment] = Field(min_length=1)
+    # Look up the content-addressed cache (cache/<hash>.<fmt>) before rendering; stored audio is
+    # written to the cache either way.
+    reuse: bool = True
 
 
 class ManifestSegment(Frozen):
@@ -118,8 +146,10 @@ class ManifestSegment(Frozen):
     chapter: int
     text: str
     key: str
-    start_s: float  # start within the assembled chapter
+    start_s: float  # start within the assembled chapter (or item)
     duration_s: float
+    voice: str = ""
+    reused: bool = False  # its audio came from the content-addressed cache, not from the engine
 
 
 class ManifestChapter(Frozen):
@@ -128,6 +158,16 @@ class ManifestChapter(Frozen):
     key: str | None  # None when a segment of it failed and the chapter could not be assembled
     start_s: float  # start within the book
     duration_s: float
+
+
+class ManifestItem(Frozen):
+    """One item of a line-item batch: its own output file."""
+
+    id: str
+    key: str | None  # None when a segment of it failed
+    duration_s: float
+    status: Literal["done", "failed"]
+    error: str | None = None
 
 
 class Manifest(Frozen):
@@ -140,6 +180,8 @@ class Manifest(Frozen):
     segments: list[ManifestSegment]
     failed: dict[str, str]  # segment id -> last error
     book_key: str | None = None
+    items: list[ManifestItem] = []  # line-item batches only (chapters is then empty)
+    reused: int = 0  # segments whose audio came from the cache
 
 
 class JobStatus(Frozen):
@@ -155,6 +197,7 @@ class JobStatus(Frozen):
     created_at: float
     updated_at: float
     errors: dict[str, str] = {}
+    reused: int = 0  # segments taken from the content-addressed cache instead of rendered
 
     @property
     def finished(self) -> bool:

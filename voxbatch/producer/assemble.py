@@ -43,7 +43,7 @@ from voxbatch.producer import m4b
 from voxbatch.producer.subtitles import Cue, samples_to_ms, to_srt, to_vtt
 from voxbatch import keys
 from voxbatch.audio import AudioDecodeError, clip, content_type, decode, open_writer
-from voxbatch.models import JobSpec, Manifest, ManifestChapter, ManifestSegment, Segment
+from voxbatch.models import JobSpec, Manifest, ManifestChapter, ManifestItem, ManifestSegment, Segment
 from voxbatch.settings import Settings
 from voxbatch.storage import Storage, StorageError
 
@@ -171,6 +171,7 @@ def _assemble_chapter(
     out_path: Path,
     book: _BookPcm | None,
     pool: ThreadPoolExecutor,
+    lead_ms: int,
 ) -> _AssembledChapter:
     """Stream one chapter's segments into `out_path` (and the book), placing each at its sample.
 
@@ -195,7 +196,7 @@ def _assemble_chapter(
             audio = clip(audio)  # (T,) or (T, C)
             if writer is None:
                 writer = open_writer(out_path, timeline.sample_rate, timeline.channels, spec.format)
-            gap = timeline.silence(timeline.samples(settings.chapter_lead_ms if i == 0 else settings.pause_ms))
+            gap = timeline.silence(timeline.samples(lead_ms if i == 0 else settings.pause_ms))
             for piece in (gap, audio):
                 writer.write(piece)
                 if book is not None:
@@ -249,8 +250,13 @@ def assemble_job(
     failed: dict[str, str],
     sample_rate: int | None,
     settings: Settings,
+    reused: set[str] | frozenset[str] = frozenset(),
 ) -> Manifest:
     """Assemble every chapter whose segments all rendered, then the book and the manifest.
+
+    A line-item batch (`spec.kind == "items"`) is assembled the same way with each item as a chapter
+    written to `keys.item` (no lead silence, no subtitles, no book), listed in `manifest.items`.
+    `reused` holds the ids of segments whose audio came from the content cache (manifest `reused`).
 
     `failed` maps segment id -> last error (from the job state); segments neither failed nor in
     storage are added to it as missing. `sample_rate` is the engine's output rate when known;
@@ -258,6 +264,7 @@ def assemble_job(
     """
     failed = dict(failed)
     fmt = spec.format
+    items = spec.kind == "items"
     by_chapter = _segments_by_chapter(spec)
     stored = set(storage.list(keys.job_prefix(spec.id) + "segments/"))
     for seg in spec.segments:
@@ -266,8 +273,8 @@ def assemble_job(
             failed[seg.id] = f"missing from storage: {storage.describe(key)}"
 
     timeline = _Timeline(sample_rate)
-    ffmpeg = m4b.find_ffmpeg()
-    if ffmpeg is None:
+    ffmpeg = None if items else m4b.find_ffmpeg()
+    if ffmpeg is None and not items:
         log.info("job %s: ffmpeg not on PATH, skipping the .m4b book", spec.id)
     assembled: dict[int, _AssembledChapter] = {}
     book_start: dict[int, int] = {}  # chapter index -> first sample in the book
@@ -281,13 +288,14 @@ def assemble_job(
             for index, title in enumerate(spec.chapters):
                 book_start[index] = book_length
                 segments = by_chapter.get(index, [])
-                chapter_key = keys.chapter(spec.id, index, fmt)
+                chapter_key = keys.item(spec.id, title, fmt) if items else keys.chapter(spec.id, index, fmt)
                 if segments and not any(s.id in failed for s in segments):
                     out_path = tmp / f"chapter-{index:04d}.{fmt}"
                     mark = book.mark() if book else 0
                     try:
                         chapter = _assemble_chapter(
-                            storage, spec, index, segments, timeline, settings, out_path, book, pool
+                            storage, spec, index, segments, timeline, settings, out_path, book, pool,
+                            0 if items else settings.chapter_lead_ms,
                         )
                     except _ChapterFailed as e:
                         failed[e.segment_id] = e.error
@@ -298,14 +306,15 @@ def assemble_job(
                         storage.put_file(chapter_key, out_path, content_type(fmt))
                         sr = timeline.sample_rate
                         cues = _cues(chapter, sr)
-                        for ext, text in (("srt", to_srt(cues)), ("vtt", to_vtt(cues))):
+                        for ext, text in () if items else (("srt", to_srt(cues)), ("vtt", to_vtt(cues))):
                             storage.put(keys.subtitles(spec.id, index, ext), text.encode(), content_type(ext))
                         assembled[index] = chapter
                         book_length += chapter.length
                         out_path.unlink()
                         continue
                 # Not assembled: remove what an earlier assembly of this job may have left.
-                for key in (chapter_key, keys.subtitles(spec.id, index, "srt"), keys.subtitles(spec.id, index, "vtt")):
+                stale = [chapter_key] if items else [chapter_key, *(keys.subtitles(spec.id, index, e) for e in ("srt", "vtt"))]
+                for key in stale:
                     storage.delete(key)  # both backends accept a missing key
         finally:
             pool.shutdown(cancel_futures=True)
@@ -316,7 +325,7 @@ def assemble_job(
         book_key = None
         if book and assembled:
             book_key = _write_book(storage, spec, ffmpeg, book, timeline, assembled, book_start, tmp)
-        else:
+        elif not items:
             storage.delete(keys.book(spec.id))
 
     manifest = Manifest(
@@ -325,7 +334,7 @@ def assemble_job(
         state="completed_with_errors" if failed else "completed",
         sample_rate=sr,
         format=fmt,
-        chapters=[
+        chapters=[] if items else [
             ManifestChapter(
                 index=index,
                 title=title,
@@ -343,15 +352,33 @@ def assemble_job(
                 key=p.key,
                 start_s=p.start / sr,
                 duration_s=p.length / sr,
+                voice=spec.voice_of(p.segment),
+                reused=p.segment.id in reused,
             )
             for index in sorted(assembled)
             for p in assembled[index].placed
         ],
         failed=dict(sorted(failed.items())),
         book_key=book_key,
+        items=_manifest_items(spec, by_chapter, assembled, failed, sr) if items else [],
+        reused=len(reused & {s.id for s in spec.segments}),
     )
     storage.put(keys.manifest(spec.id), manifest.model_dump_json(indent=2).encode(), content_type("json"))
     return manifest
+
+
+def _manifest_items(spec: JobSpec, by_chapter: dict[int, list[Segment]], assembled: dict[int, _AssembledChapter],
+                    failed: dict[str, str], sr: int) -> list[ManifestItem]:
+    """Every item id of a line-item batch -> its file, duration and status (the first error if failed)."""
+    out = []
+    for index, item_id in enumerate(spec.chapters):
+        if index in assembled:
+            out.append(ManifestItem(id=item_id, key=keys.item(spec.id, item_id, spec.format),
+                                    duration_s=assembled[index].length / sr, status="done"))
+        else:
+            error = next((failed[s.id] for s in by_chapter.get(index, []) if s.id in failed), "not assembled")
+            out.append(ManifestItem(id=item_id, key=None, duration_s=0.0, status="failed", error=error))
+    return out
 
 
 def fetch_job(storage: Storage, job_id: str, out_dir: str | Path) -> int:
