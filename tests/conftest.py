@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from tests import fixture_facts, services
+from tests import fixture_facts
+from voxbatch import testing_services as services
 
 
 @pytest.fixture(scope="session")
