@@ -45,6 +45,22 @@ def _settings(**overrides) -> Settings:
         raise
 
 
+# Options shared by `submit` and `render` (multi-voice scripts, lexicons, reuse of stored audio).
+CAST_HELP = 'speakers of a script: "Alice=voiceA,Bob=voiceB"; a paragraph starting "Alice:" is read by voiceA'
+LEXICON_HELP = "pronunciation lexicon: .tsv (term<TAB>replacement) or W3C .pls alias entries"
+NO_REUSE_HELP = "render every segment, even those whose audio is already stored (content cache)"
+
+
+def _script_options(cast: Optional[str], lexicon: Optional[Path], no_reuse: bool) -> dict:
+    from voxbatch.producer.cast import parse_cast
+
+    try:
+        return {"cast": parse_cast(cast), "lexicon": lexicon, "reuse": not no_reuse}
+    except INPUT_ERRORS as e:
+        _fail(str(e))
+        raise
+
+
 def _jobs(settings: Settings):
     from voxbatch.jobstate import RedisJobStore
 
@@ -70,20 +86,25 @@ def submit(path: Path, voice: str = typer.Option(..., help="voice profile name (
            queue: Optional[str] = typer.Option(None, help="render queue (default: settings)"),
            watch: bool = typer.Option(False, help="show progress until the job finishes"),
            max_tokens: Optional[int] = typer.Option(None, help="cap on speech tokens per segment"),
+           cast: Optional[str] = typer.Option(None, help=CAST_HELP),
+           lexicon: Optional[Path] = typer.Option(None, help=LEXICON_HELP),
+           no_reuse: bool = typer.Option(False, "--no-reuse", help=NO_REUSE_HELP),
            model_dir: Optional[Path] = typer.Option(
                None, help="CosyVoice2 model directory: segments are measured with its tokenizer (only the "
                           "tokenizer folder is read; without a model dir, or for the 'tone' voice, a "
                           "tokenizer-free estimate is used)")):
-    """Read, segment and enqueue a corpus (.txt, .md, .epub or a folder); prints the job id."""
+    """Read, segment and enqueue a corpus (.txt, .md, .epub, a folder, or a .jsonl/.csv line-item batch);
+    prints the job id."""
     from voxbatch.producer.submit import plan_job, submit_job
     from voxbatch.models import SynthesisParams
     from voxbatch.storage import open_storage
 
     settings = _settings(output_format=format, model_dir=str(model_dir) if model_dir else None, preset=preset,
                          epub_all_spine=epub_all_spine)
+    options = _script_options(cast, lexicon, no_reuse)
     try:
         spec = plan_job(path, voice, settings, name=name, params=SynthesisParams(max_tokens=max_tokens),
-                        title=title, author=author)
+                        title=title, author=author, **options)
         job_id = submit_job(spec, settings, open_storage(settings), queue)
     except INPUT_ERRORS as e:
         _fail(str(e))
@@ -195,7 +216,10 @@ def render(path: Path, out: Path = typer.Option(..., help="output folder"),
            title: Optional[str] = typer.Option(None, help=TITLE_HELP),
            author: Optional[str] = typer.Option(None, help=AUTHOR_HELP),
            epub_all_spine: Optional[bool] = typer.Option(None, "--epub-all-spine", help=ALL_SPINE_HELP),
-           max_tokens: Optional[int] = typer.Option(None, help="cap on speech tokens per segment")):
+           max_tokens: Optional[int] = typer.Option(None, help="cap on speech tokens per segment"),
+           cast: Optional[str] = typer.Option(None, help=CAST_HELP),
+           lexicon: Optional[Path] = typer.Option(None, help=LEXICON_HELP),
+           no_reuse: bool = typer.Option(False, "--no-reuse", help=NO_REUSE_HELP)):
     """Render a corpus in this process into a local folder (no Redis, no S3): the embedded default."""
     from voxbatch.models import SynthesisParams
     from voxbatch.worker.local import render_local
@@ -203,14 +227,16 @@ def render(path: Path, out: Path = typer.Option(..., help="output folder"),
     settings = _settings(engine=engine, llm_backend=llm_backend, model_dir=str(model_dir) if model_dir else None,
                          output_format=format, storage_url=out.resolve().as_uri(), preset=preset,
                          epub_all_spine=epub_all_spine)
+    options = _script_options(cast, lexicon, no_reuse)
     try:
         manifest = render_local(path, out, voice, settings, params=SynthesisParams(max_tokens=max_tokens),
-                                title=title, author=author)
+                                title=title, author=author, **options)
     except INPUT_ERRORS as e:
         _fail(str(e))
-    total = sum(c.duration_s for c in manifest.chapters)
-    console.print(f"job {manifest.job_id}: {len(manifest.segments)} segments, {total:.1f} s of audio, "
-                  f"state {manifest.state} -> {out / 'jobs' / manifest.job_id}")
+    total = sum(c.duration_s for c in manifest.chapters) + sum(i.duration_s for i in manifest.items)
+    console.print(f"job {manifest.job_id}: {len(manifest.segments)} segments ({manifest.reused} reused, "
+                  f"{len(manifest.segments) - manifest.reused} rendered), {total:.1f} s of audio, "
+                  f"state {manifest.state} -> {escape(str(out / 'jobs' / manifest.job_id))}", highlight=False, soft_wrap=True)
 
 
 @app.command()

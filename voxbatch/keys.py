@@ -57,3 +57,13 @@ def subtitles_prefix(job_id: str, chapter_index: int) -> str:
 
 def job_prefix(job_id: str) -> str:
     return f"jobs/{job_id}/"
+
+
+def item(job_id: str, item_id: str, fmt: str) -> str:
+    """Output of one item of a line-item batch; `item_id` was checked safe (`producer.items.ID_RE`)."""
+    return f"jobs/{job_id}/items/{item_id}.{fmt}"
+
+
+def cache(content_hash: str, fmt: str) -> str:
+    """Content-addressed segment audio, shared by every job (see `voxbatch/reuse.py`)."""
+    return f"cache/{content_hash}.{fmt}"

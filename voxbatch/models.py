@@ -60,9 +60,14 @@ class Chapter(Frozen):
 class Segment(Frozen):
     """One unit of synthesis: a few sentences, rendered into one audio file."""
 
-    chapter: int = Field(ge=0)
+    chapter: int = Field(ge=0)  # the item's position for a line-item batch
     index: int = Field(ge=0)  # position within the chapter
-    text: str = Field(min_length=1)
+    text: str = Field(min_length=1)  # what is spoken (normalized, lexicon applied, cast prefix removed)
+    # Per-segment overrides (cast members, line items); None means the job's voice / speed / a seed
+    # derived from the content (`content_seed`).
+    voice: str | None = None
+    speed: float | None = Field(None, gt=0.25, le=4.0)
+    seed: int | None = Field(None, ge=0, lt=2**32)
 
     @property
     def id(self) -> str:
@@ -77,6 +82,14 @@ def segment_id(chapter: int, index: int) -> str:
 def segment_seed(job_id: str, seg_id: str) -> int:
     """Per-segment sampling seed derived from (job, segment): a re-rendered segment is identical."""
     return int.from_bytes(hashlib.blake2b(f"{job_id}/{seg_id}".encode(), digest_size=4).digest(), "little")
+
+
+def content_seed(text: str, voice: str, params: "SynthesisParams") -> int:
+    """Sampling seed derived from what is spoken, by whom and how, never from the position in the
+    book: the same paragraph in an edited book (or another job) gets the same seed, so its stored
+    audio can be reused (`voxbatch/reuse.py`)."""
+    data = "\x1f".join([text, voice, params.model_dump_json()]).encode()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=4, person=b"vb-seed").digest(), "little")
 
 
 class JobSpec(Frozen):
@@ -96,6 +109,18 @@ class JobSpec(Frozen):
     title: str | None = None  # book title (EPUB dc:title, markdown H1, --title); None: the job name
     author: str | None = None  # EPUB dc:creator or --author
     cover_key: str | None = None  # the EPUB's cover image, stored beside the spec (keys.cover)
+    # "book": chapters, book.m4b; "items": a line-item batch (.jsonl/.csv), one file per item id
+    # (`spec.chapters` then holds the item ids, a segment's `chapter` its item's position).
+    kind: Literal["book", "items"] = "book"
+    cast: dict[str, str] = {}  # `--cast`: speaker name -> voice
+    lexicon_sha256: str | None = None  # `--lexicon`: hash of its entries (they changed the spoken text)
+    reuse: bool = True  # False (`--no-reuse`): render every segment even when its audio is stored
+
+    def voice_of(self, seg: Segment) -> str:
+        return seg.voice or self.voice
+
+    def params_of(self, seg: Segment) -> SynthesisParams:
+        return self.params if seg.speed is None else self.params.model_copy(update={"speed": seg.speed})
 
 
 class TaskSegment(Frozen):
@@ -116,6 +141,9 @@ class RenderTask(Frozen):
     format: AudioFormat
     params: SynthesisParams
     segments: list[TaskSegment] = Field(min_length=1)
+    # Look up the content-addressed cache (cache/<hash>.<fmt>) before rendering; stored audio is
+    # written to the cache either way.
+    reuse: bool = True
 
 
 class ManifestSegment(Frozen):
@@ -123,8 +151,10 @@ class ManifestSegment(Frozen):
     chapter: int
     text: str
     key: str
-    start_s: float  # start within the assembled chapter (its file, when the chapter is split)
+    start_s: float  # start within the assembled chapter or item (its file, when a chapter is split)
     duration_s: float
+    voice: str = ""
+    reused: bool = False  # its audio came from the content-addressed cache, not from the engine
     chapter_file: str | None = None  # key of the chapter file it is in
 
 
@@ -167,6 +197,16 @@ class QcRow(Frozen):
     passed: bool
 
 
+class ManifestItem(Frozen):
+    """One item of a line-item batch: its own output file."""
+
+    id: str
+    key: str | None  # None when a segment of it failed
+    duration_s: float
+    status: Literal["done", "failed"]
+    error: str | None = None
+
+
 class Manifest(Frozen):
     job_id: str
     name: str
@@ -177,6 +217,8 @@ class Manifest(Frozen):
     segments: list[ManifestSegment]
     failed: dict[str, str]  # segment id -> last error
     book_key: str | None = None
+    items: list[ManifestItem] = []  # line-item batches only (chapters is then empty)
+    reused: int = 0  # segments whose audio came from the cache
     preset: PresetName = "none"
     chapter_format: AudioFormat | None = None  # chapters' format when a preset sets it (else `format`)
     title: str | None = None
@@ -197,6 +239,7 @@ class JobStatus(Frozen):
     created_at: float
     updated_at: float
     errors: dict[str, str] = {}
+    reused: int = 0  # segments taken from the content-addressed cache instead of rendered
 
     @property
     def finished(self) -> bool:

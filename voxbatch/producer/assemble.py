@@ -47,7 +47,8 @@ from voxbatch.producer.mastering import CEILING_RETRIES, Mastered, Preset, maste
 from voxbatch.producer.subtitles import Cue, samples_to_ms, to_srt, to_vtt
 from voxbatch import keys
 from voxbatch.audio import AudioDecodeError, clip, content_type, decode, open_writer
-from voxbatch.models import JobSpec, Manifest, ManifestChapter, ManifestSegment, QcLevels, QcRow, Segment
+from voxbatch.models import (JobSpec, Manifest, ManifestChapter, ManifestItem, ManifestSegment, QcLevels, QcRow,
+                             Segment)
 from voxbatch.tags import Tags, write_tags
 from voxbatch.settings import Settings
 from voxbatch.storage import Storage, StorageError
@@ -203,6 +204,7 @@ def _assemble_chapter(
     settings: Settings,
     pcm: _Pcm,
     pool: ThreadPoolExecutor,
+    lead_ms: int,
 ) -> _AssembledChapter:
     """Stream one chapter's segments into `pcm` (raw float32), placing each at its sample.
 
@@ -224,7 +226,7 @@ def _assemble_chapter(
             except (AudioDecodeError, SegmentAudioError) as e:
                 raise _ChapterFailed(seg.id, str(e)) from e
             audio = clip(audio)  # (T,) or (T, C)
-            gap = timeline.silence(timeline.samples(settings.chapter_lead_ms if i == 0 else settings.pause_ms))
+            gap = timeline.silence(timeline.samples(lead_ms if i == 0 else settings.pause_ms))
             pcm.write(gap)
             pcm.write(audio)
             start = chapter.length + len(gap)
@@ -284,7 +286,8 @@ def _deliver_plain(storage: Storage, d: _Delivery, chapter: _AssembledChapter, p
                 d.book.write(piece)
     del audio
     write_tags(out_path, d.fmt, d.tags(title, chapter.index + 1))
-    key = keys.chapter(d.spec.id, chapter.index, d.fmt)
+    items = d.spec.kind == "items"
+    key = keys.item(d.spec.id, title, d.fmt) if items else keys.chapter(d.spec.id, chapter.index, d.fmt)
     storage.put_file(key, out_path, content_type(d.fmt))
     out_path.unlink()
     return [_File(key, None, chapter.length, _file_cues(chapter.placed, sr))]
@@ -418,8 +421,13 @@ def assemble_job(
     failed: dict[str, str],
     sample_rate: int | None,
     settings: Settings,
+    reused: set[str] | frozenset[str] = frozenset(),
 ) -> Manifest:
     """Assemble every chapter whose segments all rendered, then the book and the manifest.
+
+    A line-item batch (`spec.kind == "items"`) is assembled the same way with each item as a chapter
+    written to `keys.item` (no lead silence, no subtitles, no book), listed in `manifest.items`.
+    `reused` holds the ids of segments whose audio came from the content cache (manifest `reused`).
 
     `failed` maps segment id -> last error (from the job state); segments neither failed nor in
     storage are added to it as missing. `sample_rate` is the engine's output rate when known;
@@ -428,7 +436,8 @@ def assemble_job(
     """
     failed = dict(failed)
     fmt = spec.format
-    preset = preset_for(spec.preset, fmt)
+    items = spec.kind == "items"
+    preset = None if items else preset_for(spec.preset, fmt)  # line items are delivered as rendered
     chapter_fmt = preset.fmt if preset else fmt
     by_chapter = _segments_by_chapter(spec)
     stored = set(storage.list(keys.job_prefix(spec.id) + "segments/"))
@@ -438,8 +447,8 @@ def assemble_job(
             failed[seg.id] = f"missing from storage: {storage.describe(key)}"
 
     timeline = _Timeline(sample_rate)
-    ffmpeg = m4b.find_ffmpeg()
-    if ffmpeg is None:
+    ffmpeg = None if items else m4b.find_ffmpeg()
+    if ffmpeg is None and not items:
         log.info("job %s: ffmpeg not on PATH, skipping the .m4b book", spec.id)
     earlier = storage.list(keys.job_prefix(spec.id) + "chapters/") + storage.list(
         keys.job_prefix(spec.id) + "subtitles/")
@@ -463,7 +472,8 @@ def assemble_job(
                     mark = d.book.mark() if d.book else 0
                     try:
                         try:
-                            chapter = _assemble_chapter(storage, spec, index, segments, timeline, settings, pcm, pool)
+                            chapter = _assemble_chapter(storage, spec, index, segments, timeline, settings, pcm, pool,
+                                                        0 if items else settings.chapter_lead_ms)
                         finally:
                             pcm.close()
                         if preset is None:
@@ -477,6 +487,12 @@ def assemble_job(
                             d.book.rewind(mark)
                     finally:
                         pcm.path.unlink(missing_ok=True)
+                if files:
+                    delivered[index] = files
+                if items:
+                    if not files:  # not assembled: remove what an earlier assembly may have left
+                        storage.delete(keys.item(spec.id, title, fmt))
+                    continue
                 produced: set[str] = set()
                 for f in files:
                     produced.add(f.key)
@@ -486,8 +502,6 @@ def assemble_job(
                         storage.put(sub_key, text.encode(), content_type(ext))
                         produced.add(sub_key)
                     book_length += f.length
-                if files:
-                    delivered[index] = files
                 # Remove what an earlier assembly of this job left for this chapter and did not redo now.
                 _delete_except(storage, earlier, keys.chapter_files_prefix(spec.id, index), produced)
                 _delete_except(storage, earlier, keys.subtitles_prefix(spec.id, index), produced)
@@ -503,7 +517,7 @@ def assemble_job(
         if d.book and delivered:
             lengths = {i: sum(f.length for f in files) for i, files in delivered.items()}
             book_key = _write_book(storage, d, ffmpeg, book_rate, book_channels, lengths, book_start)
-        else:
+        elif not items:
             storage.delete(keys.book(spec.id))
 
     manifest = Manifest(
@@ -512,7 +526,7 @@ def assemble_job(
         state="completed_with_errors" if failed else "completed",
         sample_rate=sr,
         format=fmt,
-        chapters=[
+        chapters=[] if items else [
             ManifestChapter(
                 index=index,
                 title=title,
@@ -525,22 +539,25 @@ def assemble_job(
         ],
         segments=[
             ManifestSegment(
-                id=p.segment.id,
-                chapter=p.segment.chapter,
-                text=p.segment.text,
-                key=p.key,
+                id=c.placed.segment.id,
+                chapter=c.placed.segment.chapter,
+                text=c.placed.segment.text,
+                key=c.placed.key,
                 start_s=c.start_s,
                 duration_s=c.duration_s,
-                chapter_file=f.key,
+                voice=spec.voice_of(c.placed.segment),
+                reused=c.placed.segment.id in reused,
+                chapter_file=None if items else f.key,
             )
             for index in sorted(delivered)
             for f in delivered[index]
             for c in f.cues
-            for p in (c.placed,)
         ],
         failed=dict(sorted(failed.items())),
         book_key=book_key,
-        preset=spec.preset,
+        items=_manifest_items(spec, by_chapter, delivered, failed, sr) if items else [],
+        reused=len(reused & {s.id for s in spec.segments}),
+        preset=spec.preset if preset else "none",
         chapter_format=chapter_fmt,
         title=d.title,
         author=spec.author,
@@ -548,6 +565,20 @@ def assemble_job(
     )
     storage.put(keys.manifest(spec.id), manifest.model_dump_json(indent=2).encode(), content_type("json"))
     return manifest
+
+
+def _manifest_items(spec: JobSpec, by_chapter: dict[int, list[Segment]], delivered: dict[int, list[_File]],
+                    failed: dict[str, str], sr: int) -> list[ManifestItem]:
+    """Every item id of a line-item batch -> its file, duration and status (the first error if failed)."""
+    out = []
+    for index, item_id in enumerate(spec.chapters):
+        if index in delivered:
+            out.append(ManifestItem(id=item_id, key=delivered[index][0].key,
+                                    duration_s=delivered[index][0].length / sr, status="done"))
+        else:
+            error = next((failed[s.id] for s in by_chapter.get(index, []) if s.id in failed), "not assembled")
+            out.append(ManifestItem(id=item_id, key=None, duration_s=0.0, status="failed", error=error))
+    return out
 
 
 def fetch_job(storage: Storage, job_id: str, out_dir: str | Path) -> int:
