@@ -330,7 +330,7 @@ def run_pipeline(engine: Engine, texts: list[str], storage_root: Path, settings:
     segs = [TaskSegment(id=segment_id(0, i), chapter=0, text=t, key=keys.segment(job, 0, i, fmt), seed=1000 + i)
             for i, t in enumerate(texts)]
     bs = settings.batch_size
-    tasks = iter([RenderTask(job_id=job, voice="bench", format=fmt, params=SynthesisParams(), segments=segs[k : k + bs])
+    tasks = iter([RenderTask(job_id=job, voice="bench", format=fmt, params=SynthesisParams(), reuse=False, segments=segs[k : k + bs])
                   for k in range(0, len(segs), bs)])
     metrics = StoreTimes()
     pipe = Pipeline(engine, LocalStorage(storage_root), jobs, settings, on_job_complete=lambda _j: None, metrics=metrics).start()

@@ -76,7 +76,7 @@ class WorkerHarness:
     def submit(self, corpus: Path, voice: str, batch_size: int, model_dir: Path) -> str:
         env = {**self.env, "VOXBATCH_BATCH_SIZE": str(batch_size)}
         out = subprocess.run([sys.executable, "-m", "voxbatch.cli", "submit", str(corpus), "--voice", voice,
-                              "--model-dir", str(model_dir)], env=env, capture_output=True, text=True, timeout=300)
+                              "--model-dir", str(model_dir), "--no-reuse"], env=env, capture_output=True, text=True, timeout=300)
         if out.returncode != 0:
             raise RuntimeError(f"voxbatch submit failed ({out.returncode}): {out.stderr[-2000:]}")
         return out.stdout.strip().splitlines()[-1].strip()
