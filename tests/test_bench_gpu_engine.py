@@ -1,72 +1,56 @@
-"""The worker's torch LLM backend gives the same tokens whatever its row count, and the GPU benchmark's
-variants (grouped decode attention) and corpus do what they claim (CPU, tiny fixture).
+"""The GPU benchmark on a CPU with the tiny fixture: every stage runs and the result says what it measured.
 
-Same requests, same seeds -> identical speech tokens, whatever the number of cache rows (continuous
-batching refills rows in another order, in groups) and whichever decode attention
-(`bench.gpu_engine.set_grouped_decode`). On CPU the CUDA graphs are off; the step they capture is the
-same function.
+`python -m bench.gpu_engine --tiny --device cpu` runs the same code paths as on the H200 (the real
+`voxbatch worker` process fed by `voxbatch submit` through redis-server, the worker's engine through
+its Pipeline, the baseline, the LLM/flow/HiFT stages, vLLM when installed) at the smallest sizes; a
+failing stage makes it exit non-zero. Run as a subprocess: tests do not import bench.
 """
 
 from __future__ import annotations
 
-import numpy as np
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
-import torch
 
-from bench.gpu_engine import set_grouped_decode
-from bench.gpu_models import make_corpus, plan_text
-from voxbatch.worker.cosyvoice2.llm import CosyVoice2LM
-from voxbatch.worker.cosyvoice2.llm_backend import LlmRequest
-from voxbatch.worker.cosyvoice2.torch_backend import TorchLlmBackend
-
-
-@pytest.fixture(scope="module")
-def model(tiny_model_dir):
-    torch.set_num_threads(1)
-    return CosyVoice2LM.from_model_dir(tiny_model_dir)
+REPO = Path(__file__).resolve().parents[1]
+SMALL = ["--tiny", "--device", "cpu", "--segments", "4", "--max-s", "3", "--llm-batches", "1", "2", "--llm-tokens", "4",
+         "--flow-batches", "2", "--flow-batches-per-size", "1", "--flow-min-segments", "2", "--baseline-segments", "1",
+         "--worker-run", "rows=4,flow=2,task=2", "--worker-task-sizes", "4", "2", "--engine-runs", "rows=4,flow=2,task=2",
+         "--budget-s", "3000"]
 
 
-@pytest.fixture(scope="module")
-def requests(tiny_model_dir) -> list[LlmRequest]:
-    with np.load(tiny_model_dir / "reference.npz") as z:
-        text = [int(t) for t in z["llm_text_token"]]
-        speech = [int(t) for t in z["llm_prompt_speech_token"]]
-    # Mixed prompt and output lengths; eos masked for the whole length, so each runs to max_tokens
-    # unless one of the other two stop ids is drawn (then both backends must stop at the same token).
-    lengths = [7, 19, 3, 12, 25]
-    return [LlmRequest(text[: len(text) - i], speech[: len(speech) - 2 * i], n, n, seed=100 + i) for i, n in enumerate(lengths)]
+def bench(tmp_path: Path, *args: str, timeout: int = 1500) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "bench.gpu_engine", "--out", str(tmp_path), *args],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def _tokens(backend, reqs) -> dict[int, list[int]]:
-    out = {r.index: r.tokens for r in backend.generate(reqs)}
-    assert sorted(out) == list(range(len(reqs)))
-    return out
+def test_unknown_stage_is_an_error(tmp_path):
+    out = bench(tmp_path, "--tiny", "--device", "cpu", "--stages", "llm", "e2e", timeout=120)
+    assert out.returncode == 2 and "unknown stage(s) e2e" in out.stderr
 
 
-def test_tokens_do_not_depend_on_row_count(model, requests):
-    want = _tokens(TorchLlmBackend(model, max_batch=8, max_seq=256), requests)
-    assert any(len(t) > 1 for t in want.values())
-    for rows in (2, 5):  # 2 rows: refills while others decode
-        got = _tokens(TorchLlmBackend(model, rows, 256, sync_every=4, bucket_batches=False), requests)
-        assert got == want, f"rows={rows}"
-
-
-def test_grouped_decode_attention_gives_the_same_tokens(model, requests):
-    want = _tokens(TorchLlmBackend(model, 3, 256, bucket_batches=False), requests)
-    set_grouped_decode(model, True)
-    try:
-        got = _tokens(TorchLlmBackend(model, 3, 256, bucket_batches=False), requests)
-    finally:
-        set_grouped_decode(model, False)
-    assert got == want
-
-
-def test_corpus_lengths_follow_speaking_rates():
-    corpus = make_corpus(200, seed=3)
-    assert {s.lang for s in corpus} == {"zh", "en"}
-    for s in corpus:
-        assert 1.5 <= s.audio_s <= 16.0
-        assert plan_text(s.text)[1] == s.speech_tokens
-    zh = next(s for s in corpus if s.lang == "zh")
-    cjk = sum("\u4e00" <= c <= "\u9fff" for c in zh.text)
-    assert abs(zh.audio_s - cjk / 4.5) < 0.05  # 4.5 characters per second, 25 tokens per second
+def test_every_stage_runs_on_cpu_and_the_result_has_a_headline(tmp_path, tiny_model_dir):
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server not on PATH")
+    out = bench(tmp_path, *SMALL, "--fixture-yaml", str(tiny_model_dir / "cosyvoice2.yaml"))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    r = json.loads((tmp_path / "gpu_engine.json").read_text())
+    assert not r["errors"]
+    expected = {"accuracy", "llm", "flow_hift", "worker", "engine", "baseline", "profile", "vllm"}
+    assert set(r["stages"]) == expected
+    h = r["headline"]
+    assert set(h) == {"path", "x_realtime", "baseline_x_realtime", "gpu", "commit", "segments", "llm_tokens_per_s_corpus", "gpu_busy_pct"}
+    assert h["path"] == "worker" and h["gpu"] == "cpu" and h["commit"] == r["commit"] and len(h["commit"]) >= 40
+    worker = r["stages"]["worker"]["runs"]
+    assert set(worker) == {"tasks_of_4", "tasks_of_2"}
+    for run in worker.values():
+        assert run["done"] == run["segments"] == h["segments"] and run["failed"] == 0 and run["x_realtime"] > 0
+    assert h["x_realtime"] == worker["tasks_of_4"]["x_realtime"] and h["baseline_x_realtime"] > 0
+    (engine,) = r["stages"]["engine"]["runs"].values()
+    assert engine["stored"] == h["segments"] and engine["failed"] == 0  # the worker's job segments, again

@@ -167,3 +167,39 @@ def test_blocked_emit_stops_taking_the_intake(engine):
     gate.set()
     t.join(120)
     assert len(rec.results) == 24
+
+
+class TrickleFeed:
+    """One request at first, then one more becomes available at each look: the backend must grow its
+    row count while rows decode (bucketed sizes 1 -> 2 -> 4 -> 8) and refill across the arrivals."""
+
+    def __init__(self, requests):
+        self.items = list(enumerate(requests))
+        self.available = 1
+        self.taken = 0
+
+    def waiting(self) -> int:
+        self.available = min(len(self.items), self.available + 1)
+        return self.available - self.taken
+
+    def take(self, n: int, wait: bool):
+        if self.taken >= len(self.items):
+            return None
+        if wait:
+            self.available = max(self.available, self.taken + 1)
+        out = self.items[self.taken : min(self.available, self.taken + n)]
+        self.taken += len(out)
+        return out
+
+
+def test_torch_backend_grows_its_rows_and_gives_the_same_tokens(engine):
+    from voxbatch.worker.cosyvoice2.torch_backend import TorchLlmBackend
+
+    voice = engine.voices.get("v1")
+    requests = [engine.llm_request(r, voice) for r in mixed(engine, 7)]
+    backend = TorchLlmBackend(engine.llm.model, max_batch=8, max_seq=engine.llm.max_seq, cuda_graphs=False,
+                              bucket_batches=True, sync_every=2)
+    want = {r.index: r.tokens for r in backend.generate(requests)}
+    got = dict(backend.stream(TrickleFeed(requests)))
+    assert got == want
+    assert sorted(backend._states) == [1, 2, 4, 8]  # grew while decoding, never past max_batch
