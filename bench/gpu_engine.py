@@ -393,7 +393,6 @@ class Bench:
         self.model_dir = write_model_dir(self.tmp / "model", tiny=args.tiny, fixture_yaml=args.fixture_yaml)
         self.storage_root = self.tmp / "storage"  # voices and rendered segments (file:// storage)
         self._official: Path | None = None  # the official-layout model folder, written on first use
-        self.worker_texts: list[str] = []  # the worker stage's job segments, rendered again by the engine stage
         dev = args.device
         self.llm_dev = dev
         self.flow_dev = dev
@@ -735,24 +734,24 @@ class Bench:
                 gc.collect()
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
-        return {"runs": runs, "texts": "the worker stage's job segments" if self.worker_texts else "the bench corpus",
+        return {"runs": runs, "texts": "the bench corpus, one segment per sentence",
                 "note": "voxbatch/worker/cosyvoice2/engine.py CosyVoice2Engine.serve (streaming scheduler) through "
                         "voxbatch/worker/pipeline.py, tasks fed as voxbatch worker feeds them (budget.py)"}
 
     def texts(self) -> list[str]:
-        """The segment texts every end-to-end path renders: the worker's job, or the bench corpus."""
-        return self.worker_texts or [s.text for s in self.corpus]
+        """The segment texts the engine renders: the bench corpus, one segment per sentence."""
+        return [s.text for s in self.corpus]
 
     def worker_stage(self) -> dict:
         """`voxbatch worker` (its own process, Celery threads pool) fed by `voxbatch submit` through a
         redis-server on this machine, storage in a local folder. One worker; after a small warm job,
         one job per `--worker-task-sizes` entry (the producer's batch_size): the first is the figure."""
         from bench.worker_run import WorkerHarness
-        from voxbatch.producer.submit import load_spec
-        from voxbatch.storage import LocalStorage
 
         a = self.args
+        t = time.perf_counter()
         env = self.engine_env(parse_run(a.worker_run))
+        print(f"  official model folder written in {time.perf_counter() - t:.1f}s", flush=True)
         corpus = self.tmp / "corpus.txt"
         corpus.write_text("\n\n".join(s.text for s in self.corpus) + "\n", encoding="utf-8")
         warm = self.tmp / "warm.txt"
@@ -762,8 +761,11 @@ class Bench:
         try:
             ready_s = harness.start_worker("0" if self.llm_dev.startswith("cuda") else None)
             print(f"  worker ready after {ready_s:.1f}s", flush=True)
+            t = time.perf_counter()
             job = harness.submit(warm, "bench", a.worker_task_sizes[0], self.official_dir())
-            harness.wait(job, 600)
+            print(f"  warm job {job} submitted in {time.perf_counter() - t:.1f}s", flush=True)
+            harness.wait(job, min(a.worker_timeout_s, 180))
+            print(f"  warm job done after {time.perf_counter() - t:.1f}s", flush=True)
             for size in a.worker_task_sizes:
                 with GpuUtilisation() as util:
                     t0 = time.time()
@@ -780,12 +782,10 @@ class Bench:
                       f"GPU busy {res['gpu_busy_pct']}%, done {res['done']}, failed {res['failed']}", flush=True)
                 if res["failed"]:
                     raise RuntimeError(f"worker run with tasks of {size}: {res['failed']} segments failed: {res['errors']}")
-                if not self.worker_texts:
-                    spec = load_spec(LocalStorage(self.storage_root), job)
-                    self.worker_texts = [s.text for s in spec.segments]
         finally:
             harness.close()
-            self.results.setdefault("logs", {})["worker_log_tail"] = harness.log.read_text(errors="replace")[-4000:] if harness.log.exists() else ""
+            if harness.log.exists():
+                shutil.copy(harness.log, a.out / f"{a.name}_worker.log")
         first = runs[f"tasks_of_{a.worker_task_sizes[0]}"]
         for k, r in runs.items():
             r["of_first_pct"] = round(100 * r["x_realtime"] / first["x_realtime"], 1)
@@ -986,7 +986,7 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
-STAGES = ("accuracy", "llm", "flow_hift", "worker", "engine", "baseline", "profile", "vllm")
+STAGES = ("accuracy", "llm", "flow_hift", "engine", "worker", "baseline", "profile", "vllm")
 
 
 def headline(r: dict) -> dict:
@@ -1049,7 +1049,7 @@ def main() -> None:
     r["settings"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     r["command"] = "python -m bench.gpu_engine " + " ".join(sys.argv[1:])
     print(json.dumps({"corpus": r["corpus"], "model": r["model"]}, indent=1), flush=True)
-    for name in STAGES:  # the worker runs first: the engine stage renders its job's segments again
+    for name in STAGES:
         bench.stage(name, getattr(bench, f"{name}_stage" if name != "accuracy" else "accuracy"))
     r["total_wall_s"] = round(bench.elapsed(), 1)
     r["headline"] = headline(r)

@@ -58,16 +58,20 @@ class WorkerHarness:
         self.worker: subprocess.Popen | None = None
         self.log = tmp / "worker.log"
 
-    def start_worker(self, gpus: str | None, timeout_s: float = 900.0) -> float:
+    def start_worker(self, gpus: str | None, timeout_s: float = 300.0) -> float:
         """Start `voxbatch worker`; returns seconds until Celery said ready (engine loaded and warm)."""
         cmd = [sys.executable, "-m", "voxbatch.cli", "worker"] + (["--gpus", gpus] if gpus else [])
         t0 = time.perf_counter()
         self.worker = subprocess.Popen(cmd, env=self.env, stdout=self.log.open("w"), stderr=subprocess.STDOUT,
                                        start_new_session=True)
+        last = t0
         while time.perf_counter() - t0 < timeout_s:
             text = self.log.read_text(errors="replace")
             if " ready." in text:
                 return time.perf_counter() - t0
+            if time.perf_counter() - last > 20:
+                last = time.perf_counter()
+                print(f"  worker not ready after {last - t0:.0f}s; log tail: {text[-600:]!r}", flush=True)
             if self.worker.poll() is not None:
                 raise RuntimeError(f"voxbatch worker exited ({self.worker.returncode}):\n{text[-3000:]}")
             time.sleep(0.2)
@@ -86,6 +90,7 @@ class WorkerHarness:
 
         jobs = RedisJobStore(self.client)
         deadline = time.monotonic() + timeout_s
+        shown = time.monotonic()
         while True:
             st = jobs.status(job)
             if st is not None and st.done + st.failed >= st.total:
@@ -94,7 +99,10 @@ class WorkerHarness:
             if self.worker is not None and self.worker.poll() is not None:
                 raise RuntimeError(f"voxbatch worker died:\n{self.log.read_text(errors='replace')[-3000:]}")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"job {job}: {st} after {timeout_s} s")
+                raise TimeoutError(f"job {job}: {st} after {timeout_s} s; worker log tail:\n{self.log.read_text(errors='replace')[-3000:]}")
+            if time.monotonic() > shown + 15:
+                shown = time.monotonic()
+                print(f"  job {job}: {st.done if st else '?'} done, {st.failed if st else '?'} failed of {st.total if st else '?'}", flush=True)
             time.sleep(0.05)
 
     def close(self) -> None:

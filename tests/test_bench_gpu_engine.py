@@ -53,4 +53,4 @@ def test_every_stage_runs_on_cpu_and_the_result_has_a_headline(tmp_path, tiny_mo
         assert run["done"] == run["segments"] == h["segments"] and run["failed"] == 0 and run["x_realtime"] > 0
     assert h["x_realtime"] == worker["tasks_of_4"]["x_realtime"] and h["baseline_x_realtime"] > 0
     (engine,) = r["stages"]["engine"]["runs"].values()
-    assert engine["stored"] == h["segments"] and engine["failed"] == 0  # the worker's job segments, again
+    assert engine["stored"] == r["corpus"]["segments"] and engine["failed"] == 0
