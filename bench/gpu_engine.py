@@ -785,6 +785,7 @@ class Bench:
         finally:
             harness.close()
             if harness.log.exists():
+                a.out.mkdir(parents=True, exist_ok=True)
                 shutil.copy(harness.log, a.out / f"{a.name}_worker.log")
         first = runs[f"tasks_of_{a.worker_task_sizes[0]}"]
         for k, r in runs.items():
