@@ -1050,7 +1050,7 @@ def main() -> None:
     r["settings"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     r["command"] = "python -m bench.gpu_engine " + " ".join(sys.argv[1:])
     print(json.dumps({"corpus": r["corpus"], "model": r["model"]}, indent=1), flush=True)
-    for name in STAGES:
+    for name in dict.fromkeys(args.stages):  # in the order given
         bench.stage(name, getattr(bench, f"{name}_stage" if name != "accuracy" else "accuracy"))
     r["total_wall_s"] = round(bench.elapsed(), 1)
     r["headline"] = headline(r)
