@@ -23,7 +23,7 @@ from voxbatch.worker.cosyvoice2.checkpoint import ModelDirError
 from voxbatch.worker.cosyvoice2.llm import CosyVoice2LM, LlmDims
 from voxbatch.worker.cosyvoice2.llm_backend import LlmRequest
 from voxbatch.worker.cosyvoice2.sampling import OfficialRas, RasConfig, mask_eos, ras_sample, seed_keys, uniforms
-from voxbatch.worker.cosyvoice2.tokenizer import CosyVoice2Tokenizer
+from voxbatch.tokenizer import CosyVoice2Tokenizer
 from voxbatch.worker.cosyvoice2.torch_backend import TorchLlmBackend
 
 LOGP_ATOL = 1e-4

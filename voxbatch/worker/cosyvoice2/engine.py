@@ -36,7 +36,7 @@ from voxbatch.worker.cosyvoice2.flow import CausalFlow
 from voxbatch.worker.cosyvoice2.hift import HiFTGenerator
 from voxbatch.worker.cosyvoice2.hub import resolve_model_dir
 from voxbatch.worker.cosyvoice2.llm_backend import LlmBackend, LlmRequest
-from voxbatch.worker.cosyvoice2.tokenizer import CosyVoice2Tokenizer
+from voxbatch.tokenizer import CosyVoice2Tokenizer
 from voxbatch.worker.engine import Engine, SynthesisRequest, SynthesisResult
 
 log = logging.getLogger(__name__)
