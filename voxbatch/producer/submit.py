@@ -74,9 +74,7 @@ def render_tasks(spec: JobSpec, batch_size: int, segments: list[Segment] | None 
         yield RenderTask(
             job_id=spec.id, voice=spec.voice, format=spec.format, params=spec.params,
             segments=[
-                TaskSegment(id=s.id, chapter=s.chapter, text=s.text, key=keys.segment(spec.id, s.chapter, s.index,
-                                                                                      spec.format),
-                            seed=segment_seed(spec.id, s.id))
+                TaskSegment(id=s.id, chapter=s.chapter, text=s.text, seed=segment_seed(spec.id, s.id))
                 for s in todo[i: i + batch_size]
             ],
         )
