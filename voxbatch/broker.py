@@ -7,8 +7,10 @@ Two things kombu's Redis transport does not do for us:
   of the worker's event loop, which Celery treats as unrecoverable (the worker exited, was restarted,
   and died again on the next entry). `Transport` here logs such an entry once and drops it (it is
   already off the list), and drops envelopes that lack what kombu needs to even acknowledge them.
-  What is inside a well-formed envelope is Celery's to refuse (content type, unknown task) and the
-  task's to validate (worker/messages.py).
+  Inside a well-formed envelope, Celery refuses what it cannot run (a body that does not decode,
+  a content type other than JSON, an unknown task name); `Consumer` makes each of those one log line
+  (Celery's own logs a traceback and a dump of the body) and drops the message. The arguments of a
+  render task are the task's to validate (worker/messages.py).
 
 - **Dead workers' tasks.** A task a worker has taken sits in kombu's `unacked` hash, indexed by the
   time it was taken in the `unacked_index` sorted set; any worker restores one older than the
@@ -25,6 +27,7 @@ import threading
 import time
 
 import redis
+from celery.worker.consumer import Consumer as CeleryConsumer
 from kombu.transport import redis as kombu_redis
 from kombu.transport.virtual import Empty
 
@@ -86,18 +89,36 @@ class Transport(kombu_redis.Transport):
         super()._deliver(message, queue)
 
 
-class TaskHeartbeat:
-    """Keeps the tasks this process runs from looking abandoned (see the module docstring).
+class Consumer(CeleryConsumer):
+    """Celery's consumer, with one-line reports of messages it cannot run (`worker_consumer`)."""
 
-    `running(tag)` / `finished(tag)` are called around each task (Celery's task_prerun/postrun
-    signals, wired by `install`); a daemon thread refreshes their `unacked_index` scores. Redis errors
-    are logged and the next beat tries again: a missed beat costs nothing until the visibility
-    timeout, which is several beats long.
+    def on_decode_error(self, message, exc):
+        log.error("dropped a broker message whose body does not decode (content type %.60r): %s: %.200s",
+                  message.content_type, type(exc).__name__, exc)
+        message.ack()
+
+    def on_unknown_task(self, body, message, exc):
+        log.error("dropped a message for unknown task %.80r", (message.headers or {}).get("task"))
+        message.reject_log_error(log, self.connection_errors)
+
+    def on_invalid_task(self, body, message, exc):
+        log.error("dropped an invalid task message: %s: %.200s", type(exc).__name__, exc)
+        message.reject_log_error(log, self.connection_errors)
+
+
+class TaskHeartbeat:
+    """Keeps the tasks this process holds from looking abandoned (see the module docstring).
+
+    A task counts from the moment the consumer receives it (Celery's `task_received`: its kombu
+    delivery tag is known there) until it has run (`task_postrun`) or was revoked; `install` wires
+    the signals. A daemon thread refreshes their `unacked_index` scores. Redis errors are logged and
+    the next beat tries again: a missed beat costs nothing until the visibility timeout, which is
+    several beats long.
     """
 
     def __init__(self, client: redis.Redis, interval_s: float):
         self.r, self.interval_s = client, interval_s
-        self._tags: set[str] = set()
+        self._tags: dict[str, str] = {}  # task id -> delivery tag
         self._lock = threading.Lock()
         self._failing = False
         self._thread = threading.Thread(target=self._run, name="task-heartbeat", daemon=True)
@@ -106,18 +127,18 @@ class TaskHeartbeat:
         self._thread.start()
         return self
 
-    def running(self, tag: str) -> None:
+    def holding(self, task_id: str, tag: str) -> None:
         with self._lock:
-            self._tags.add(tag)
+            self._tags[task_id] = tag
 
-    def finished(self, tag: str) -> None:
+    def released(self, task_id: str) -> None:
         with self._lock:
-            self._tags.discard(tag)
+            self._tags.pop(task_id, None)
 
     def beat(self) -> int:
-        """Refresh every running task's index entry now; returns how many were refreshed."""
+        """Refresh every held task's index entry now; returns how many were refreshed."""
         with self._lock:
-            tags = list(self._tags)
+            tags = list(self._tags.values())
         if not tags:
             return 0
         now = time.time()
@@ -140,24 +161,22 @@ class TaskHeartbeat:
 
 
 def install_heartbeat(broker_url: str, interval_s: float) -> TaskHeartbeat:
-    """Start a heartbeat for the Celery tasks this process runs (render workers and the assembler)."""
+    """Start a heartbeat for the Celery tasks this process holds (render workers and the assembler)."""
     from celery import signals
 
     heartbeat = TaskHeartbeat(redis.Redis.from_url(broker_url, socket_timeout=10), interval_s).start()
 
-    def tag_of(task) -> str | None:
-        info = getattr(task.request, "delivery_info", None) or {}
-        tag = info.get("delivery_tag")
-        return tag if isinstance(tag, str) else None
+    def on_received(request=None, **_) -> None:
+        tag = getattr(getattr(request, "message", None), "delivery_tag", None)
+        if isinstance(tag, str) and request.id:
+            heartbeat.holding(request.id, tag)
 
-    def on_prerun(task=None, **_) -> None:
-        if task is not None and (tag := tag_of(task)):
-            heartbeat.running(tag)
+    def on_done(task_id=None, request=None, **_) -> None:
+        task_id = task_id or getattr(request, "id", None)
+        if task_id:
+            heartbeat.released(task_id)
 
-    def on_postrun(task=None, **_) -> None:
-        if task is not None and (tag := tag_of(task)):
-            heartbeat.finished(tag)
-
-    signals.task_prerun.connect(on_prerun, weak=False)
-    signals.task_postrun.connect(on_postrun, weak=False)
+    signals.task_received.connect(on_received, weak=False)
+    signals.task_postrun.connect(on_done, weak=False)
+    signals.task_revoked.connect(on_done, weak=False)
     return heartbeat

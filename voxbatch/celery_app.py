@@ -43,6 +43,7 @@ def configure_celery(settings: Settings) -> Celery:
     app.conf.update(
         broker_url=settings.broker_url,
         broker_transport="voxbatch.broker:Transport" if redis_broker else None,
+        worker_consumer="voxbatch.broker:Consumer",
         task_serializer="json",
         accept_content=["json"],
         result_serializer="json",
