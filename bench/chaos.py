@@ -45,7 +45,6 @@ from voxbatch import keys
 from voxbatch import testing_services as services
 from voxbatch.audio import encode
 from voxbatch.jobstate import RedisJobStore
-from voxbatch.models import segment_seed
 from voxbatch.producer.submit import submit_job
 from voxbatch.settings import Settings
 from voxbatch.storage import S3Storage
@@ -117,7 +116,7 @@ def reference_md5(spec, fmt: str) -> dict[str, str]:
     engine = ToneEngine()
     out = {}
     for s in spec.segments:
-        req = SynthesisRequest(s.id, s.text, spec.voice, segment_seed(spec.id, s.id), spec.params)
+        req = SynthesisRequest(s.id, s.text, spec.voice_of(s), spec.seed_of(s), spec.params_of(s))
         (result,) = engine.synthesize([req])
         out[keys.segment(spec.id, s.chapter, s.index, fmt)] = hashlib.md5(
             encode(result.audio, engine.sample_rate, fmt)).hexdigest()

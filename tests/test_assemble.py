@@ -250,7 +250,11 @@ def test_each_format_round_trips_and_assembles(storage, settings, fmt):
     y, sr = audio.decode(data)
     info = audio.probe(data)
     assert sr == SR and y.dtype == np.float32
-    assert len(y) == len(x) == info.frames  # exact length, lossy codecs included
+    if fmt == "m4a":  # AAC decodes with its last frame's padding (voxbatch/audio.py)
+        assert len(x) <= len(y) == info.frames < len(x) + 1024 + 1024
+        y = y[: len(x)]
+    else:
+        assert len(y) == len(x) == info.frames  # exact length, lossy codecs included
     if fmt in ("wav", "flac"):
         np.testing.assert_allclose(y, x, atol=1 / 32768 + 1e-7)  # PCM_16 quantization
     else:
@@ -262,7 +266,11 @@ def test_each_format_round_trips_and_assembles(storage, settings, fmt):
     spec = make_job(storage, fmt)
     manifest = asm.assemble_job(storage, spec, {}, SR, settings)
     for ch, lengths in enumerate(LENGTHS):
-        assert audio.probe(storage.get(manifest.chapters[ch].key)).frames == chapter_length(lengths)
+        frames = audio.probe(storage.get(manifest.chapters[ch].key)).frames
+        if fmt == "m4a":  # every segment and the chapter carry up to one AAC frame of padding
+            assert chapter_length(lengths) <= frames <= chapter_length(lengths) + 1024 * (len(lengths) + 2)
+        else:
+            assert frames == chapter_length(lengths)
         assert manifest.chapters[ch].key.endswith(f".{fmt}")
 
 
@@ -272,8 +280,8 @@ def test_opus_names_the_problem_for_rates_it_cannot_take():
             audio.encode(tone(100, 440), SR, "opus")
     with pytest.raises(audio.AudioFormatError, match="opus.*22050"):
         audio.encode(tone(100, 440, 22050), 22050, "opus")
-    with pytest.raises(audio.AudioFormatError, match="mp3"):
-        audio.encode(tone(100, 440), SR, "mp3")
+    with pytest.raises(audio.AudioFormatError, match="aiff"):
+        audio.encode(tone(100, 440), SR, "aiff")
 
 
 # --- the .m4b book ----------------------------------------------------------------------------

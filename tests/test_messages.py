@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from voxbatch.models import JobSpec, Segment, SynthesisParams, segment_seed
+from voxbatch.models import JobSpec, Segment, SynthesisParams
 from voxbatch.producer.submit import render_tasks, store_spec
 from voxbatch.storage import LocalStorage
 from voxbatch.worker.messages import Discard, SpecCache, parse, resolve
@@ -64,4 +64,4 @@ def test_the_worker_renders_what_the_spec_says_not_what_the_message_says(specs):
     task = resolve(parse((crafted,), {}), specs)
     assert (task.voice, task.format, task.params) == ("tone", "wav", SynthesisParams())
     (seg,) = task.segments
-    assert (seg.id, seg.text, seg.seed) == ("0001-00002", "Chapter 1 sentence 2.", segment_seed("abc123", "0001-00002"))
+    assert (seg.id, seg.text, seg.seed) == ("0001-00002", "Chapter 1 sentence 2.", spec().seed_of(spec().segments[5]))

@@ -12,6 +12,7 @@ Redis key layout (all keys of a job share the `{<job>}` hash tag, so a job lives
     vb:job:{<job>}:attempts     hash   segment id -> attempts started (survives worker crashes); an attempt
                                        given back unstarted (graceful shutdown, refused poison) is un-counted
     vb:job:{<job>}:errors       hash   segment id -> last error seen (kept while retrying)
+    vb:job:{<job>}:reused       set    ids of segments whose audio came from the content cache (reuse.py)
 
 Every step that touches several keys is one Lua script, so two workers finishing the last two
 segments at the same moment cannot both (or neither) enqueue the assembly: `finish` returns 1 to
@@ -139,6 +140,13 @@ class JobStore(ABC):
     def is_done(self, job_id: str, seg_id: str) -> bool: ...
 
     @abstractmethod
+    def mark_reused(self, job_id: str, seg_id: str) -> None:
+        """Note that a segment's audio was copied from the cache (before it is recorded done)."""
+
+    @abstractmethod
+    def reused_ids(self, job_id: str) -> set[str]: ...
+
+    @abstractmethod
     def state(self, job_id: str) -> JobState | None: ...
 
     @abstractmethod
@@ -219,6 +227,12 @@ class RedisJobStore(JobStore):
     def done_ids(self, job_id: str) -> set[str]:
         return set(self.r.smembers(self._k(job_id, "done")))
 
+    def mark_reused(self, job_id: str, seg_id: str) -> None:
+        self.r.sadd(self._k(job_id, "reused"), seg_id)
+
+    def reused_ids(self, job_id: str) -> set[str]:
+        return set(self.r.smembers(self._k(job_id, "reused")))
+
     def failed(self, job_id: str) -> dict[str, str]:
         return dict(self.r.hgetall(self._k(job_id, "failed")))
 
@@ -258,7 +272,8 @@ class RedisJobStore(JobStore):
         return JobStatus(
             id=job_id, name=h["name"], state=h["state"], total=int(h["total"]), done=int(h["done"]),
             failed=int(h["failed"]), audio_s=int(h["audio_ms"]) / 1000, created_at=float(h["created_at"]),
-            updated_at=float(h["updated_at"]), errors=errors, swept=int(h.get("swept", 0)),
+            updated_at=float(h["updated_at"]), errors=errors, reused=int(self.r.scard(self._k(job_id, "reused"))),
+            swept=int(h.get("swept", 0)),
         )
 
     def job_ids(self, limit: int = 50) -> list[str]:
@@ -279,7 +294,7 @@ class MemoryJobStore(JobStore):
         with self._lock:
             self._jobs[job_id] = dict(name=name, state="queued", total=total, done=set(), failed={}, attempts={},
                                       errors={}, audio_s=0.0, created_at=created_at, updated_at=created_at,
-                                      assemble=False)
+                                      assemble=False, reused=set())
 
     def begin_attempt(self, job_id: str, seg_id: str) -> int:
         with self._lock:
@@ -359,6 +374,14 @@ class MemoryJobStore(JobStore):
                 j["state"], j["assemble"], j["updated_at"] = "running", False, time.time()
             return n
 
+    def mark_reused(self, job_id: str, seg_id: str) -> None:
+        with self._lock:
+            self._jobs[job_id]["reused"].add(seg_id)
+
+    def reused_ids(self, job_id: str) -> set[str]:
+        with self._lock:
+            return set(self._jobs[job_id]["reused"])
+
     def state(self, job_id: str) -> JobState | None:
         with self._lock:
             j = self._jobs.get(job_id)
@@ -375,4 +398,4 @@ class MemoryJobStore(JobStore):
                 return None
             return JobStatus(id=job_id, name=j["name"], state=j["state"], total=j["total"], done=len(j["done"]),
                              failed=len(j["failed"]), audio_s=j["audio_s"], created_at=j["created_at"],
-                             updated_at=j["updated_at"], errors=dict(j["failed"]))
+                             updated_at=j["updated_at"], errors=dict(j["failed"]), reused=len(j["reused"]))

@@ -60,6 +60,7 @@ def status_table(status: JobStatus) -> Table:
     table.add_column("field")
     table.add_column("value")
     for k, v in [("name", status.name), ("state", status.state), ("segments", f"{status.done}/{status.total}"),
+                 ("reused", str(status.reused)),
                  ("failed", str(status.failed)), ("audio", f"{status.audio_s:.1f} s")]:
         table.add_row(k, v)
     if status.swept:

@@ -35,7 +35,8 @@ def assemble(self, job_id: str) -> dict:
     storage = open_storage(settings)
     try:
         manifest = wait_for_service(
-            lambda: assemble_job(storage, load_spec(storage, job_id), jobs.failed(job_id), None, settings),
+            lambda: assemble_job(storage, load_spec(storage, job_id), jobs.failed(job_id), None, settings,
+                                 jobs.reused_ids(job_id)),
             f"job {job_id}: assembly", log=log, window_s=settings.outage_window_s)
     except Exception as e:
         if self.request.retries >= MAX_RETRIES:

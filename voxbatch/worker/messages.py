@@ -4,7 +4,7 @@ Anyone who can write to Redis can send a `voxbatch.render` message, so nothing i
 faith. The payload must parse as a `RenderTask` (bounded sizes, ids that cannot leave a job's
 folder); its job must have a spec in storage that this worker can read; and each segment it names
 must be a segment of that spec. What the worker then renders comes from the spec, not the message:
-text, chapter, seed, voice, format and synthesis parameters. Storage keys are derived from
+text, chapter, seed, voice, format, synthesis parameters and whether the content cache may be used. Storage keys are derived from
 (job, segment id, format) by the pipeline (voxbatch/keys.py). So a crafted message can at most ask
 for a segment of a real job to be rendered again, which the "already stored" check makes a no-op.
 """
@@ -18,7 +18,7 @@ from collections import OrderedDict
 from pydantic import ValidationError
 
 from voxbatch import keys
-from voxbatch.models import JobSpec, RenderTask, Segment, TaskSegment, segment_seed
+from voxbatch.models import JobSpec, RenderTask, Segment, TaskSegment
 from voxbatch.outage import wait_for_service
 from voxbatch.storage import Storage
 
@@ -80,16 +80,19 @@ def parse(args: tuple, kwargs: dict) -> RenderTask:
 
 
 def resolve(task: RenderTask, specs: SpecCache, stop: threading.Event | None = None) -> RenderTask:
-    """The task as the job's spec has it: only the spec's segments, with the spec's text and settings."""
+    """The task as the job's spec has it: only the spec's segments, with the spec's text, voice,
+    params and seed. A task has one voice and one set of params (the producer groups by them), so
+    segments of another group than the first one named are dropped too."""
     spec, by_id = specs.get(task.job_id, stop)
     known = [by_id[s.id] for s in task.segments if s.id in by_id]
-    unknown = len(task.segments) - len(known)
     if not known:
         raise Discard(f"job {task.job_id}: none of its {len(task.segments)} segment id(s) are in the job's spec")
-    if unknown:
-        log.error("job %s: %d segment id(s) of a render task are not in the job's spec; ignored", task.job_id, unknown)
+    voice, params = spec.voice_of(known[0]), spec.params_of(known[0])
+    same = [s for s in known if spec.voice_of(s) == voice and spec.params_of(s) == params]
+    if len(same) < len(task.segments):
+        log.error("job %s: %d segment id(s) of a render task are not in the job's spec or not of its voice; ignored",
+                  task.job_id, len(task.segments) - len(same))
     return RenderTask(
-        job_id=spec.id, voice=spec.voice, format=spec.format, params=spec.params,
-        segments=[TaskSegment(id=s.id, chapter=s.chapter, text=s.text, seed=segment_seed(spec.id, s.id))
-                  for s in known],
+        job_id=spec.id, voice=voice, format=spec.format, params=params, reuse=spec.reuse,
+        segments=[TaskSegment(id=s.id, chapter=s.chapter, text=s.text, seed=spec.seed_of(s)) for s in same],
     )

@@ -43,6 +43,7 @@ from voxbatch.audio import AudioDecodeError, content_type, encode, probe
 from voxbatch.jobstate import JobStore
 from voxbatch.models import RenderTask, TaskSegment
 from voxbatch.outage import OutageTooLong, Stopped, backoff_s, wait_for_service
+from voxbatch.reuse import SegmentCache
 from voxbatch.settings import Settings
 from voxbatch.storage import Storage
 from voxbatch.worker.engine import Engine, SynthesisRequest, SynthesisResult
@@ -131,6 +132,7 @@ class Pipeline:
         self.on_job_complete = on_job_complete
         self.metrics = metrics
         self.on_thread_death = on_thread_death
+        self.cache = SegmentCache(storage, engine.fingerprint())
         self.intake: queue.Queue[SynthesisRequest | None] = queue.Queue()
         self.output: queue.Queue[SynthesisResult | None] = queue.Queue(maxsize=settings.output_queue_size)
         self._stop = threading.Event()
@@ -272,7 +274,7 @@ class Pipeline:
         if self._service(lambda: self.jobs.is_done(job_id, seg.id), where, stop=self._abandoned):
             return True
         if not self._service(lambda: self.storage.exists(key), where, stop=self._abandoned):
-            return False
+            return handle.task.reuse and self._reuse(handle, seg)
         # Stored by an earlier delivery that died before recording it: record it now, don't re-render.
         data = self._service(lambda: self.storage.get(key), where, stop=self._abandoned)
         try:
@@ -281,6 +283,20 @@ class Pipeline:
             log.warning("%s: stored object is not audio (%s); rendering it again", where, e)
             return False
         self._record(job_id, seg.id, audio_s=audio_s, stop=self._abandoned)
+        return True
+
+    def _reuse(self, handle: TaskHandle, seg: TaskSegment) -> bool:
+        """Take the segment's audio from the content-addressed cache when it is there (reuse.py)."""
+        task, key = handle.task, _Tag(handle, seg).key
+        cache_key = self.cache.key(task, seg)
+        where = f"segment {task.job_id}/{seg.id}"
+        try:
+            data = self._service(lambda: self.storage.get(cache_key), where, stop=self._abandoned)
+            self._service(lambda: self.storage.copy(cache_key, key), where, stop=self._abandoned)
+        except KeyError:
+            return False
+        self._service(lambda: self.jobs.mark_reused(task.job_id, seg.id), where, stop=self._abandoned)
+        self._record(task.job_id, seg.id, audio_s=probe(data, cache_key).duration_s, stop=self._abandoned)
         return True
 
     def _enqueue(self, handle: TaskHandle, seg: TaskSegment, outage_since: float | None = None) -> None:
@@ -377,10 +393,14 @@ class Pipeline:
             return
         t0 = time.perf_counter()
         data = encode(result.audio, self.engine.sample_rate, task.format)
-        key = tag.key
+        key, cache_key = tag.key, self.cache.key(task, seg)
+
+        def put() -> None:  # the cache first: stored under the segment's key means cached too
+            self.storage.put(cache_key, data, content_type(task.format))
+            self.storage.copy(cache_key, key)
+
         try:
-            self._service(lambda: self.storage.put(key, data, content_type(task.format)), f"{where}: upload",
-                          window_s=self.settings.outage_window_s)
+            self._service(put, f"{where}: upload", window_s=self.settings.outage_window_s)
         except OutageTooLong as e:
             self._record(task.job_id, seg.id, error=f"storage outage: {e}")  # the outage is the reason, not the segment
             tag.handle.segment_finished()
