@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import tempfile
+import threading
 from collections import defaultdict, deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -42,7 +43,7 @@ import numpy as np
 from voxbatch.producer import m4b
 from voxbatch.producer.subtitles import Cue, samples_to_ms, to_srt, to_vtt
 from voxbatch import keys
-from voxbatch.audio import AudioDecodeError, clip, content_type, decode, open_writer
+from voxbatch.audio import AudioDecodeError, clip, content_type, decode, open_writer, probe
 from voxbatch.models import JobSpec, Manifest, ManifestChapter, ManifestItem, ManifestSegment, Segment
 from voxbatch.settings import Settings
 from voxbatch.storage import Storage, StorageError
@@ -73,12 +74,14 @@ class _Timeline:
 
     sample_rate: int | None
     channels: int | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)  # items are checked from copy threads
 
     def check(self, sr: int, channels: int) -> None:
-        if self.sample_rate is None:
-            self.sample_rate = sr
-        if self.channels is None:
-            self.channels = channels
+        with self._lock:
+            if self.sample_rate is None:
+                self.sample_rate = sr
+            if self.channels is None:
+                self.channels = channels
         if sr != self.sample_rate:
             raise SegmentAudioError(f"sample rate {sr} Hz differs from the job's {self.sample_rate} Hz")
         if channels != self.channels:
@@ -211,6 +214,21 @@ def _assemble_chapter(
     return chapter
 
 
+def _copy_item(storage: Storage, spec: JobSpec, seg: Segment, item_key: str, timeline: _Timeline) -> _AssembledChapter:
+    """A one-segment item: its segment object copied to the item key (server-side on S3, a hard link
+    locally), after the same checks a chapter's segments get."""
+    key = keys.segment(spec.id, seg.chapter, seg.index, spec.format)
+    try:
+        info = probe(storage.get(key), storage.describe(key))
+        timeline.check(info.sample_rate, info.channels)
+        storage.copy(key, item_key)
+    except KeyError:
+        raise _ChapterFailed(seg.id, f"missing from storage: {storage.describe(key)}") from None
+    except (AudioDecodeError, SegmentAudioError) as e:
+        raise _ChapterFailed(seg.id, str(e)) from e
+    return _AssembledChapter(seg.chapter, info.frames, [_Placed(seg, key, 0, info.frames)])
+
+
 def _cues(chapter: _AssembledChapter, sample_rate: int) -> list[Cue]:
     return [
         Cue(samples_to_ms(p.start, sample_rate), samples_to_ms(p.start + p.length, sample_rate), p.segment.text)
@@ -284,6 +302,12 @@ def assemble_job(
         tmp = Path(tmp_dir)
         book = _BookPcm(tmp / "book.f32") if ffmpeg else None
         pool = ThreadPoolExecutor(PREFETCH, thread_name_prefix="assemble-get")
+        copier = ThreadPoolExecutor(PREFETCH, thread_name_prefix="assemble-copy")
+        # A one-segment item is its segment: copied (a server-side copy on S3), many at a time.
+        copies = {index: copier.submit(_copy_item, storage, spec, segs[0], keys.item(spec.id, spec.chapters[index], fmt),
+                                       timeline)
+                  for index, segs in by_chapter.items()
+                  if items and len(segs) == 1 and segs[0].id not in failed}
         try:
             for index, title in enumerate(spec.chapters):
                 book_start[index] = book_length
@@ -293,6 +317,9 @@ def assemble_job(
                     out_path = tmp / f"chapter-{index:04d}.{fmt}"
                     mark = book.mark() if book else 0
                     try:
+                        if index in copies:
+                            assembled[index] = copies[index].result()
+                            continue
                         chapter = _assemble_chapter(
                             storage, spec, index, segments, timeline, settings, out_path, book, pool,
                             0 if items else settings.chapter_lead_ms,
@@ -318,6 +345,7 @@ def assemble_job(
                     storage.delete(key)  # both backends accept a missing key
         finally:
             pool.shutdown(cancel_futures=True)
+            copier.shutdown(cancel_futures=True)
             if book:
                 book.close()
 
