@@ -67,10 +67,22 @@ def _jobs(settings: Settings):
     return RedisJobStore.from_url(settings.broker_url)
 
 
+FORMAT_HELP = "segment (and chapter) audio: wav|flac|ogg|opus|mp3|m4a"
+PRESET_HELP = ("mastering of chapters: acx (MP3 192k CBR 44.1 kHz mono, RMS -23..-18 dB, peaks <= -3 dBFS, room "
+               "tone, credits) | podcast (-16 LUFS, true peak <= -1 dBTP) | none (as assembled)")
+TITLE_HELP = "book title for tags, the m4b and credits (default: EPUB dc:title / markdown H1)"
+AUTHOR_HELP = "book author (default: EPUB dc:creator)"
+ALL_SPINE_HELP = "EPUB: also read pages readers skip (linear=\"no\", absent from the TOC: covers, ads)"
+
+
 @app.command()
 def submit(path: Path, voice: str = typer.Option(..., help="voice profile name ('tone' for the tone engine)"),
            name: Optional[str] = typer.Option(None, help="job name (default: file name)"),
-           format: Optional[str] = typer.Option(None, "--format", help="wav|flac|ogg|opus"),
+           format: Optional[str] = typer.Option(None, "--format", help=FORMAT_HELP),
+           preset: Optional[str] = typer.Option(None, "--preset", help=PRESET_HELP),
+           title: Optional[str] = typer.Option(None, help=TITLE_HELP),
+           author: Optional[str] = typer.Option(None, help=AUTHOR_HELP),
+           epub_all_spine: Optional[bool] = typer.Option(None, "--epub-all-spine", help=ALL_SPINE_HELP),
            queue: Optional[str] = typer.Option(None, help="render queue (default: settings)"),
            watch: bool = typer.Option(False, help="show progress until the job finishes"),
            max_tokens: Optional[int] = typer.Option(None, help="cap on speech tokens per segment"),
@@ -87,10 +99,12 @@ def submit(path: Path, voice: str = typer.Option(..., help="voice profile name (
     from voxbatch.models import SynthesisParams
     from voxbatch.storage import open_storage
 
-    settings = _settings(output_format=format, model_dir=str(model_dir) if model_dir else None)
+    settings = _settings(output_format=format, model_dir=str(model_dir) if model_dir else None, preset=preset,
+                         epub_all_spine=epub_all_spine)
     options = _script_options(cast, lexicon, no_reuse)
     try:
-        spec = plan_job(path, voice, settings, name=name, params=SynthesisParams(max_tokens=max_tokens), **options)
+        spec = plan_job(path, voice, settings, name=name, params=SynthesisParams(max_tokens=max_tokens),
+                        title=title, author=author, **options)
         job_id = submit_job(spec, settings, open_storage(settings), queue)
     except INPUT_ERRORS as e:
         _fail(str(e))
@@ -197,7 +211,11 @@ def render(path: Path, out: Path = typer.Option(..., help="output folder"),
            model_dir: Optional[Path] = typer.Option(
                None, help="CosyVoice2 model directory; its tokenizer also measures the segments (without "
                           "one, or with the tone engine, a tokenizer-free estimate is used)"),
-           format: Optional[str] = typer.Option(None, "--format", help="wav|flac|ogg|opus"),
+           format: Optional[str] = typer.Option(None, "--format", help=FORMAT_HELP),
+           preset: Optional[str] = typer.Option(None, "--preset", help=PRESET_HELP),
+           title: Optional[str] = typer.Option(None, help=TITLE_HELP),
+           author: Optional[str] = typer.Option(None, help=AUTHOR_HELP),
+           epub_all_spine: Optional[bool] = typer.Option(None, "--epub-all-spine", help=ALL_SPINE_HELP),
            max_tokens: Optional[int] = typer.Option(None, help="cap on speech tokens per segment"),
            cast: Optional[str] = typer.Option(None, help=CAST_HELP),
            lexicon: Optional[Path] = typer.Option(None, help=LEXICON_HELP),
@@ -207,16 +225,44 @@ def render(path: Path, out: Path = typer.Option(..., help="output folder"),
     from voxbatch.worker.local import render_local
 
     settings = _settings(engine=engine, llm_backend=llm_backend, model_dir=str(model_dir) if model_dir else None,
-                         output_format=format, storage_url=out.resolve().as_uri())
+                         output_format=format, storage_url=out.resolve().as_uri(), preset=preset,
+                         epub_all_spine=epub_all_spine)
     options = _script_options(cast, lexicon, no_reuse)
     try:
-        manifest = render_local(path, out, voice, settings, params=SynthesisParams(max_tokens=max_tokens), **options)
+        manifest = render_local(path, out, voice, settings, params=SynthesisParams(max_tokens=max_tokens),
+                                title=title, author=author, **options)
     except INPUT_ERRORS as e:
         _fail(str(e))
     total = sum(c.duration_s for c in manifest.chapters) + sum(i.duration_s for i in manifest.items)
     console.print(f"job {manifest.job_id}: {len(manifest.segments)} segments ({manifest.reused} reused, "
                   f"{len(manifest.segments) - manifest.reused} rendered), {total:.1f} s of audio, "
                   f"state {manifest.state} -> {escape(str(out / 'jobs' / manifest.job_id))}", highlight=False, soft_wrap=True)
+
+
+@app.command()
+def qc(job: str, out: Optional[Path] = typer.Option(
+        None, help="the folder `voxbatch render --out` wrote (default: the storage URL from settings)")):
+    """QC of a mastered job: levels of every chapter file and each rule of its preset; exit 1 if one fails."""
+    from voxbatch.producer.qc import failure_lines, load_manifest, qc_table
+    from voxbatch.storage import open_storage
+
+    settings = _settings(storage_url=out.resolve().as_uri() if out else None)
+    try:
+        manifest = load_manifest(open_storage(settings), job)
+    except KeyError:
+        _fail(f"job {job!r}: no manifest in {settings.storage_url} (not assembled yet, or another storage)")
+    except INPUT_ERRORS as e:
+        _fail(f"job {job!r}: unreadable manifest: {e}")
+    if not manifest.qc:
+        console.print(f"job {escape(job)}: preset {manifest.preset}, no QC rules to check")
+        return
+    console.print(qc_table(manifest))
+    failures = failure_lines(manifest)
+    for line in failures:
+        console.print(escape(line), soft_wrap=True, highlight=False)
+    if failures:
+        err.print(f"{len(failures)} of {len(manifest.qc)} file(s) fail preset {manifest.preset}")
+        raise typer.Exit(1)
 
 
 @voice_app.command("add")

@@ -25,6 +25,19 @@ def chapter(job_id: str, chapter_index: int, fmt: str) -> str:
     return f"jobs/{job_id}/chapters/{chapter_index:04d}.{fmt}"
 
 
+def chapter_part(job_id: str, chapter_index: int, part: int, fmt: str) -> str:
+    """A chapter split into several files (a preset's length cap): part 1, 2, ..."""
+    return f"jobs/{job_id}/chapters/{chapter_index:04d}-{part}.{fmt}"
+
+
+def chapter_files_prefix(job_id: str, chapter_index: int) -> str:
+    return f"jobs/{job_id}/chapters/{chapter_index:04d}"
+
+
+def cover(job_id: str, ext: str) -> str:
+    return f"jobs/{job_id}/cover.{ext}"
+
+
 def book(job_id: str) -> str:
     return f"jobs/{job_id}/book.m4b"
 
@@ -33,8 +46,13 @@ def manifest(job_id: str) -> str:
     return f"jobs/{job_id}/manifest.json"
 
 
-def subtitles(job_id: str, chapter_index: int, ext: str) -> str:
-    return f"jobs/{job_id}/subtitles/{chapter_index:04d}.{ext}"
+def subtitles(job_id: str, chapter_index: int, ext: str, part: int | None = None) -> str:
+    name = f"{chapter_index:04d}" if part is None else f"{chapter_index:04d}-{part}"
+    return f"jobs/{job_id}/subtitles/{name}.{ext}"
+
+
+def subtitles_prefix(job_id: str, chapter_index: int) -> str:
+    return f"jobs/{job_id}/subtitles/{chapter_index:04d}"
 
 
 def job_prefix(job_id: str) -> str:

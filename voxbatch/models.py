@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from voxbatch.settings import AudioFormat
+from voxbatch.settings import AudioFormat, PresetName
 
 JobState = Literal["queued", "running", "assembling", "completed", "completed_with_errors", "cancelled", "failed"]
 SegmentState = Literal["pending", "done", "failed"]
@@ -104,6 +104,11 @@ class JobSpec(Frozen):
     segments: list[Segment]
     created_at: float
     source: str  # the path the user submitted
+    # Delivery: mastering preset applied to chapters at assembly, and the book's metadata (tags, m4b).
+    preset: PresetName = "none"
+    title: str | None = None  # book title (EPUB dc:title, markdown H1, --title); None: the job name
+    author: str | None = None  # EPUB dc:creator or --author
+    cover_key: str | None = None  # the EPUB's cover image, stored beside the spec (keys.cover)
     # "book": chapters, book.m4b; "items": a line-item batch (.jsonl/.csv), one file per item id
     # (`spec.chapters` then holds the item ids, a segment's `chapter` its item's position).
     kind: Literal["book", "items"] = "book"
@@ -146,10 +151,11 @@ class ManifestSegment(Frozen):
     chapter: int
     text: str
     key: str
-    start_s: float  # start within the assembled chapter (or item)
+    start_s: float  # start within the assembled chapter or item (its file, when a chapter is split)
     duration_s: float
     voice: str = ""
     reused: bool = False  # its audio came from the content-addressed cache, not from the engine
+    chapter_file: str | None = None  # key of the chapter file it is in
 
 
 class ManifestChapter(Frozen):
@@ -158,6 +164,37 @@ class ManifestChapter(Frozen):
     key: str | None  # None when a segment of it failed and the chapter could not be assembled
     start_s: float  # start within the book
     duration_s: float
+    # Every file of the chapter in order: one, or several when a preset caps a file's length.
+    files: list[str] = []
+
+
+class QcLevels(Frozen):
+    """Levels of one delivered file, measured on its decoded audio (voxbatch/producer/qc.py)."""
+
+    integrated_lufs: float
+    rms_db: float
+    peak_dbfs: float
+    true_peak_dbtp: float
+    noise_floor_db: float  # RMS of the quietest 500 ms
+    head_s: float  # room tone before the programme starts
+    tail_s: float  # room tone after it ends
+    duration_s: float
+
+
+class QcRow(Frozen):
+    """One chapter file's QC: its levels before and after mastering, and each rule of the preset."""
+
+    chapter: int
+    part: int  # 1-based file of the chapter (chapters over the preset's length limit are split)
+    key: str
+    format: AudioFormat
+    sample_rate: int
+    channels: int
+    kbps: int | None  # constant bit rate of mp3 / m4a files
+    levels: QcLevels  # the delivered file
+    source_levels: QcLevels | None = None  # the chapter as assembled, before mastering
+    checks: dict[str, bool]  # rule name -> passed
+    passed: bool
 
 
 class ManifestItem(Frozen):
@@ -182,6 +219,11 @@ class Manifest(Frozen):
     book_key: str | None = None
     items: list[ManifestItem] = []  # line-item batches only (chapters is then empty)
     reused: int = 0  # segments whose audio came from the cache
+    preset: PresetName = "none"
+    chapter_format: AudioFormat | None = None  # chapters' format when a preset sets it (else `format`)
+    title: str | None = None
+    author: str | None = None
+    qc: list[QcRow] = []  # one row per chapter file when a preset is set
 
 
 class JobStatus(Frozen):

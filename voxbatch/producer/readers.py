@@ -27,8 +27,11 @@ class CorpusError(ValueError):
     """The corpus cannot be read; the message names the file and where."""
 
 
-def read_corpus(path: str | Path) -> list[Chapter]:
-    """Read a corpus and return its chapters in reading order, indexed from 0."""
+def read_corpus(path: str | Path, *, all_spine: bool = False) -> list[Chapter]:
+    """Read a corpus and return its chapters in reading order, indexed from 0.
+
+    `all_spine`: EPUB only, also read spine items that readers skip (linear="no", absent from the TOC).
+    """
     p = Path(path)
     if p.is_dir():
         return _read_directory(p)
@@ -38,7 +41,7 @@ def read_corpus(path: str | Path) -> list[Chapter]:
     if suffix == ".epub":
         from voxbatch.producer.epub import read_epub  # ebooklib/lxml are loaded only for EPUB corpora
 
-        return read_epub(p)
+        return read_epub(p, all_spine=all_spine)
     if suffix in TEXT_SUFFIXES:
         text = decode_text(p.read_bytes(), str(p))
         chapters = _split_text(text, str(p), markdown=suffix in MARKDOWN_SUFFIXES, default_title=p.stem)

@@ -43,7 +43,8 @@ def segment_length_fn(settings: Settings, voice: str, engine: str | None = None)
 def plan_job(path: str | Path, voice: str, settings: Settings, *, name: str | None = None,
              fmt: AudioFormat | None = None, params: SynthesisParams | None = None,
              engine: str | None = None, length_fn: Callable[[str], int] | None = None,
-             cast: dict[str, str] | None = None, lexicon: str | Path | None = None, reuse: bool = True) -> JobSpec:
+             cast: dict[str, str] | None = None, lexicon: str | Path | None = None, reuse: bool = True,
+             title: str | None = None, author: str | None = None) -> JobSpec:
     """Read and segment a corpus into a job spec (nothing stored yet).
 
     `engine` is the engine that will render the job when the caller knows it (`voxbatch render`);
@@ -51,14 +52,20 @@ def plan_job(path: str | Path, voice: str, settings: Settings, *, name: str | No
     A `.jsonl`/`.csv` corpus is a line-item batch (producer/items.py); `cast` maps speaker names to
     voices (producer/cast.py); `lexicon` is a .tsv/.pls file (producer/lexicon.py); `reuse=False`
     renders every segment even where the content cache holds its audio (voxbatch/reuse.py).
+    `title`/`author` override the book's metadata (producer/metadata.py); with `settings.preset`
+    "acx", opening and closing credits become the first and last chapters of a book (their own files).
     """
     from voxbatch.producer.items import ITEM_SUFFIXES, ItemError, read_items
     from voxbatch.producer.lexicon import load_lexicon
+    from voxbatch.producer.metadata import read_metadata
     from voxbatch.producer.readers import read_corpus
     from voxbatch.producer.segment import segment_chapter, segment_chapters
 
     path = Path(path)
     lex = load_lexicon(lexicon) if lexicon is not None else None
+    meta = read_metadata(path)
+    title = title or meta.title
+    author = author or meta.author
     if length_fn is None:
         length_fn = segment_length_fn(settings, voice, engine)
     kind = "items" if path.is_file() and path.suffix.lower() in ITEM_SUFFIXES else "book"
@@ -74,17 +81,45 @@ def plan_job(path: str | Path, voice: str, settings: Settings, *, name: str | No
             titles.append(item.id)
             segments.extend(segs)
     else:
-        chapters = read_corpus(path)
+        chapters = read_corpus(path, all_spine=settings.epub_all_spine)
+        if settings.preset == "acx":
+            chapters = credit_chapters(chapters, title or name or path.stem, author, settings)
         titles = [c.title for c in chapters]
         segments = segment_chapters(chapters, length_fn=length_fn, cast=cast, lexicon=lex)
     if not segments:
         raise SubmitError(f"{path}: no text to synthesize after segmentation")
+    job_id = uuid.uuid4().hex[:12]
     return JobSpec(
-        id=uuid.uuid4().hex[:12], name=name or path.stem, voice=voice, format=fmt or settings.output_format,
+        id=job_id, name=name or path.stem, voice=voice, format=fmt or settings.output_format,
         params=params or SynthesisParams(), chapters=titles, segments=segments,
         created_at=time.time(), source=str(path), kind=kind, cast=cast or {},
         lexicon_sha256=lex.sha256 if lex else None, reuse=reuse,
+        preset=settings.preset, title=title, author=author,
+        cover_key=keys.cover(job_id, meta.cover_ext) if meta.cover else None,
     )
+
+
+OPENING_CREDITS = "Opening Credits"
+CLOSING_CREDITS = "Closing Credits"
+
+
+def credit_chapters(chapters: list[Chapter], title: str, author: str | None, settings: Settings) -> list[Chapter]:
+    """The book's chapters between opening and closing credits (ACX: each its own file, same voice)."""
+    def fill(template: str | None, default: str) -> str:
+        # Plain replacement, not str.format: the template is user text and must not reach attributes.
+        if not template:
+            return default
+        return template.replace("{title}", title).replace("{author}", author or "")
+
+    by = f" Written by {author}." if author else ""
+    opening = fill(settings.credits_opening, f"{title}.{by}")
+    closing = fill(settings.credits_closing, f"The end. {title}.{by}")
+    body = [c.model_copy(update={"index": i + 1}) for i, c in enumerate(chapters)]
+    return [
+        Chapter(index=0, title=OPENING_CREDITS, text=opening, source="opening credits"),
+        *body,
+        Chapter(index=len(body) + 1, title=CLOSING_CREDITS, text=closing, source="closing credits"),
+    ]
 
 
 def render_tasks(spec: JobSpec, batch_size: int, segments: list[Segment] | None = None) -> Iterator[RenderTask]:
@@ -123,6 +158,13 @@ def check_voices(storage: Storage, spec: JobSpec) -> None:
 
 
 def store_spec(storage: Storage, spec: JobSpec) -> None:
+    """The spec, and beside it the book's cover image (read again from the corpus the spec names)."""
+    if spec.cover_key:
+        from voxbatch.producer.metadata import read_metadata
+
+        cover = read_metadata(spec.source).cover
+        if cover:
+            storage.put(spec.cover_key, cover, "image/png" if spec.cover_key.endswith(".png") else "image/jpeg")
     storage.put(keys.job_spec(spec.id), spec.model_dump_json(indent=1).encode(), "application/json")
 
 

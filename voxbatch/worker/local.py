@@ -22,7 +22,8 @@ from voxbatch.worker.pipeline import Pipeline
 def render_local(path: str | Path, out_dir: str | Path, voice: str, settings: Settings, *,
                  name: str | None = None, fmt: AudioFormat | None = None, params: SynthesisParams | None = None,
                  engine: Engine | None = None, on_progress=None, cast: dict[str, str] | None = None,
-                 lexicon: str | Path | None = None, reuse: bool = True) -> Manifest:
+                 lexicon: str | Path | None = None, reuse: bool = True, title: str | None = None,
+                 author: str | None = None) -> Manifest:
     """Render a corpus into `out_dir` (layout as in storage: jobs/<id>/...); returns the manifest.
 
     Segments are measured with the tokenizer of `settings.model_dir` unless the engine (`engine`, else
@@ -30,7 +31,7 @@ def render_local(path: str | Path, out_dir: str | Path, voice: str, settings: Se
     storage = LocalStorage(out_dir)
     spec = plan_job(path, voice, settings, name=name, fmt=fmt, params=params,
                     engine=engine.name if engine is not None else settings.engine, cast=cast, lexicon=lexicon,
-                    reuse=reuse)
+                    reuse=reuse, title=title, author=author)
     check_voices(storage, spec)
     engine = engine or build_engine(settings)
     jobs = MemoryJobStore()
