@@ -42,10 +42,6 @@ def detect_lang(text: str) -> Lang:
     return "zh" if han and han >= len(_LATIN_WORD.findall(text)) else "en"
 
 
-def contains_chinese(text: str) -> bool:
-    return _HAN.search(text) is not None
-
-
 def is_only_punctuation(text: str) -> bool:
     """True when nothing is left to speak: only punctuation, symbols and blanks (or nothing at all)."""
     return all(unicodedata.category(c)[0] in "PSZ" or c.isspace() for c in text)
