@@ -246,6 +246,16 @@ def render(path: Path, out: Path = typer.Option(..., help="output folder"),
     console.print(f"job {manifest.job_id}: {len(manifest.segments)} segments ({manifest.reused} reused, "
                   f"{len(manifest.segments) - manifest.reused} rendered), {total:.1f} s of audio, "
                   f"state {manifest.state} -> {escape(str(out / 'jobs' / manifest.job_id))}", highlight=False, soft_wrap=True)
+    _exit_on_qc_failures(manifest)
+
+
+def _exit_on_qc_failures(manifest) -> None:
+    """A preset was asked and some chapter file is outside it: say which, exit 1 (never shipped silently)."""
+    failing = [row.key for row in manifest.qc if not row.passed]
+    if failing:
+        err.print(f"QC: {len(failing)} of {len(manifest.qc)} file(s) fail preset {manifest.preset} "
+                  f"(voxbatch qc {manifest.job_id})", highlight=False, soft_wrap=True)
+        raise typer.Exit(1)
 
 
 @app.command()
