@@ -45,31 +45,66 @@ def _settings(**overrides) -> Settings:
         raise
 
 
+# Options shared by `submit` and `render` (multi-voice scripts, lexicons, reuse of stored audio).
+CAST_HELP = 'speakers of a script: "Alice=voiceA,Bob=voiceB"; a paragraph starting "Alice:" is read by voiceA'
+LEXICON_HELP = "pronunciation lexicon: .tsv (term<TAB>replacement) or W3C .pls alias entries"
+NO_REUSE_HELP = "render every segment, even those whose audio is already stored (content cache)"
+
+
+def _script_options(cast: Optional[str], lexicon: Optional[Path], no_reuse: bool) -> dict:
+    from voxbatch.producer.cast import parse_cast
+
+    try:
+        return {"cast": parse_cast(cast), "lexicon": lexicon, "reuse": not no_reuse}
+    except INPUT_ERRORS as e:
+        _fail(str(e))
+        raise
+
+
 def _jobs(settings: Settings):
     from voxbatch.jobstate import RedisJobStore
 
     return RedisJobStore.from_url(settings.broker_url)
 
 
+FORMAT_HELP = "segment (and chapter) audio: wav|flac|ogg|opus|mp3|m4a"
+PRESET_HELP = ("mastering of chapters: acx (MP3 192k CBR 44.1 kHz mono, RMS -23..-18 dB, peaks <= -3 dBFS, room "
+               "tone, credits) | podcast (-16 LUFS, true peak <= -1 dBTP) | none (as assembled)")
+TITLE_HELP = "book title for tags, the m4b and credits (default: EPUB dc:title / markdown H1)"
+AUTHOR_HELP = "book author (default: EPUB dc:creator)"
+ALL_SPINE_HELP = "EPUB: also read pages readers skip (linear=\"no\", absent from the TOC: covers, ads)"
+
+
 @app.command()
 def submit(path: Path, voice: str = typer.Option(..., help="voice profile name ('tone' for the tone engine)"),
            name: Optional[str] = typer.Option(None, help="job name (default: file name)"),
-           format: Optional[str] = typer.Option(None, "--format", help="wav|flac|ogg|opus"),
+           format: Optional[str] = typer.Option(None, "--format", help=FORMAT_HELP),
+           preset: Optional[str] = typer.Option(None, "--preset", help=PRESET_HELP),
+           title: Optional[str] = typer.Option(None, help=TITLE_HELP),
+           author: Optional[str] = typer.Option(None, help=AUTHOR_HELP),
+           epub_all_spine: Optional[bool] = typer.Option(None, "--epub-all-spine", help=ALL_SPINE_HELP),
            queue: Optional[str] = typer.Option(None, help="render queue (default: settings)"),
            watch: bool = typer.Option(False, help="show progress until the job finishes"),
            max_tokens: Optional[int] = typer.Option(None, help="cap on speech tokens per segment"),
+           cast: Optional[str] = typer.Option(None, help=CAST_HELP),
+           lexicon: Optional[Path] = typer.Option(None, help=LEXICON_HELP),
+           no_reuse: bool = typer.Option(False, "--no-reuse", help=NO_REUSE_HELP),
            model_dir: Optional[Path] = typer.Option(
                None, help="CosyVoice2 model directory: segments are measured with its tokenizer (only the "
                           "tokenizer folder is read; without a model dir, or for the 'tone' voice, a "
                           "tokenizer-free estimate is used)")):
-    """Read, segment and enqueue a corpus (.txt, .md, .epub or a folder); prints the job id."""
+    """Read, segment and enqueue a corpus (.txt, .md, .epub, a folder, or a .jsonl/.csv line-item batch);
+    prints the job id."""
     from voxbatch.producer.submit import plan_job, submit_job
     from voxbatch.models import SynthesisParams
     from voxbatch.storage import open_storage
 
-    settings = _settings(output_format=format, model_dir=str(model_dir) if model_dir else None)
+    settings = _settings(output_format=format, model_dir=str(model_dir) if model_dir else None, preset=preset,
+                         epub_all_spine=epub_all_spine)
+    options = _script_options(cast, lexicon, no_reuse)
     try:
-        spec = plan_job(path, voice, settings, name=name, params=SynthesisParams(max_tokens=max_tokens))
+        spec = plan_job(path, voice, settings, name=name, params=SynthesisParams(max_tokens=max_tokens),
+                        title=title, author=author, **options)
         job_id = submit_job(spec, settings, open_storage(settings), queue)
     except INPUT_ERRORS as e:
         _fail(str(e))
@@ -86,9 +121,12 @@ def status(job: str, watch: bool = typer.Option(False, help="progress bar until 
     from voxbatch.producer.control import JobNotFound, get_status, status_table
     from voxbatch.producer.control import watch as watch_job
 
-    jobs = _jobs(_settings())
+    from voxbatch.storage import open_storage
+
+    settings = _settings()
+    jobs = _jobs(settings)
     try:
-        s = watch_job(jobs, job, console) if watch else get_status(jobs, job)
+        s = watch_job(jobs, job, console) if watch else get_status(jobs, job, open_storage(settings))
     except JobNotFound as e:
         _fail(str(e.args[0]))
     console.print(status_table(s))
@@ -104,7 +142,7 @@ def cancel(job: str):
 
 @app.command()
 def retry(job: str, queue: Optional[str] = typer.Option(None, help="render queue")):
-    """Re-enqueue only the failed or missing segments of a job."""
+    """Re-enqueue only the failed or missing segments of a job (rebuilt from storage if Redis lost it)."""
     from voxbatch.producer.control import JobNotFound, retry_job
     from voxbatch.producer.submit import SubmitError
     from voxbatch.storage import open_storage
@@ -156,13 +194,19 @@ def worker(gpus: Optional[str] = typer.Option(None, help="comma-separated GPU id
 
 @app.command()
 def assembler(concurrency: int = typer.Option(2, help="assemble tasks at once")):
-    """Start the CPU assembler: chapters, manifest, subtitles and m4b once a job's last segment lands."""
+    """Start the CPU assembler: chapters, manifest, subtitles and m4b once a job's last segment lands;
+    also sweeps for segments nothing will finish and re-enqueues them."""
     import voxbatch.producer.tasks  # noqa: F401 - registers voxbatch.assemble
+    from voxbatch.broker import install_heartbeat
     from voxbatch.celery_app import app as celery_app
     from voxbatch.celery_app import configure_celery
+    from voxbatch.producer.sweeper import start_sweeper
+    from voxbatch.storage import open_storage
 
     settings = _settings()
     configure_celery(settings)
+    install_heartbeat(settings.broker_url, settings.task_heartbeat_s)
+    start_sweeper(_jobs(settings), open_storage(settings), settings)
     celery_app.worker_main(["worker", "--pool", "threads", "--concurrency", str(concurrency), "--queues",
                             settings.assemble_queue, "--hostname", "voxbatch-assembler@%h",
                             "--without-gossip", "--without-mingle", "--loglevel", "INFO"])
@@ -176,21 +220,68 @@ def render(path: Path, out: Path = typer.Option(..., help="output folder"),
            model_dir: Optional[Path] = typer.Option(
                None, help="CosyVoice2 model directory; its tokenizer also measures the segments (without "
                           "one, or with the tone engine, a tokenizer-free estimate is used)"),
-           format: Optional[str] = typer.Option(None, "--format", help="wav|flac|ogg|opus"),
-           max_tokens: Optional[int] = typer.Option(None, help="cap on speech tokens per segment")):
+           format: Optional[str] = typer.Option(None, "--format", help=FORMAT_HELP),
+           preset: Optional[str] = typer.Option(None, "--preset", help=PRESET_HELP),
+           title: Optional[str] = typer.Option(None, help=TITLE_HELP),
+           author: Optional[str] = typer.Option(None, help=AUTHOR_HELP),
+           epub_all_spine: Optional[bool] = typer.Option(None, "--epub-all-spine", help=ALL_SPINE_HELP),
+           max_tokens: Optional[int] = typer.Option(None, help="cap on speech tokens per segment"),
+           cast: Optional[str] = typer.Option(None, help=CAST_HELP),
+           lexicon: Optional[Path] = typer.Option(None, help=LEXICON_HELP),
+           no_reuse: bool = typer.Option(False, "--no-reuse", help=NO_REUSE_HELP)):
     """Render a corpus in this process into a local folder (no Redis, no S3): the embedded default."""
     from voxbatch.models import SynthesisParams
     from voxbatch.embedded import render_local
 
     settings = _settings(engine=engine, llm_backend=llm_backend, model_dir=str(model_dir) if model_dir else None,
-                         output_format=format, storage_url=out.resolve().as_uri())
+                         output_format=format, storage_url=out.resolve().as_uri(), preset=preset,
+                         epub_all_spine=epub_all_spine)
+    options = _script_options(cast, lexicon, no_reuse)
     try:
-        manifest = render_local(path, out, voice, settings, params=SynthesisParams(max_tokens=max_tokens))
+        manifest = render_local(path, out, voice, settings, params=SynthesisParams(max_tokens=max_tokens),
+                                title=title, author=author, **options)
     except INPUT_ERRORS as e:
         _fail(str(e))
-    total = sum(c.duration_s for c in manifest.chapters)
-    console.print(f"job {manifest.job_id}: {len(manifest.segments)} segments, {total:.1f} s of audio, "
-                  f"state {manifest.state} -> {out / 'jobs' / manifest.job_id}")
+    total = sum(c.duration_s for c in manifest.chapters) + sum(i.duration_s for i in manifest.items)
+    console.print(f"job {manifest.job_id}: {len(manifest.segments)} segments ({manifest.reused} reused, "
+                  f"{len(manifest.segments) - manifest.reused} rendered), {total:.1f} s of audio, "
+                  f"state {manifest.state} -> {escape(str(out / 'jobs' / manifest.job_id))}", highlight=False, soft_wrap=True)
+    _exit_on_qc_failures(manifest)
+
+
+def _exit_on_qc_failures(manifest) -> None:
+    """A preset was asked and some chapter file is outside it: say which, exit 1 (never shipped silently)."""
+    failing = [row.key for row in manifest.qc if not row.passed]
+    if failing:
+        err.print(f"QC: {len(failing)} of {len(manifest.qc)} file(s) fail preset {manifest.preset} "
+                  f"(voxbatch qc {manifest.job_id})", highlight=False, soft_wrap=True)
+        raise typer.Exit(1)
+
+
+@app.command()
+def qc(job: str, out: Optional[Path] = typer.Option(
+        None, help="the folder `voxbatch render --out` wrote (default: the storage URL from settings)")):
+    """QC of a mastered job: levels of every chapter file and each rule of its preset; exit 1 if one fails."""
+    from voxbatch.producer.qc import failure_lines, load_manifest, qc_table
+    from voxbatch.storage import open_storage
+
+    settings = _settings(storage_url=out.resolve().as_uri() if out else None)
+    try:
+        manifest = load_manifest(open_storage(settings), job)
+    except KeyError:
+        _fail(f"job {job!r}: no manifest in {settings.storage_url} (not assembled yet, or another storage)")
+    except INPUT_ERRORS as e:
+        _fail(f"job {job!r}: unreadable manifest: {e}")
+    if not manifest.qc:
+        console.print(f"job {escape(job)}: preset {manifest.preset}, no QC rules to check")
+        return
+    console.print(qc_table(manifest))
+    failures = failure_lines(manifest)
+    for line in failures:
+        console.print(escape(line), soft_wrap=True, highlight=False)
+    if failures:
+        err.print(f"{len(failures)} of {len(manifest.qc)} file(s) fail preset {manifest.preset}")
+        raise typer.Exit(1)
 
 
 @voice_app.command("add")

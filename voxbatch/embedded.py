@@ -14,7 +14,7 @@ import threading
 from pathlib import Path
 
 from voxbatch.producer.assemble import assemble_job
-from voxbatch.producer.submit import check_voice, plan_job, render_tasks, store_spec
+from voxbatch.producer.submit import check_voices, plan_job, render_tasks, store_spec
 from voxbatch.jobstate import MemoryJobStore
 from voxbatch.models import Manifest, SynthesisParams
 from voxbatch.settings import AudioFormat, Settings
@@ -25,15 +25,18 @@ from voxbatch.worker.pipeline import Pipeline
 
 def render_local(path: str | Path, out_dir: str | Path, voice: str, settings: Settings, *,
                  name: str | None = None, fmt: AudioFormat | None = None, params: SynthesisParams | None = None,
-                 engine: Engine | None = None, on_progress=None) -> Manifest:
+                 engine: Engine | None = None, on_progress=None, cast: dict[str, str] | None = None,
+                 lexicon: str | Path | None = None, reuse: bool = True, title: str | None = None,
+                 author: str | None = None) -> Manifest:
     """Render a corpus into `out_dir` (layout as in storage: jobs/<id>/...); returns the manifest.
 
     Segments are measured with the tokenizer of `settings.model_dir` unless the engine (`engine`, else
     `settings.engine`) is the tone engine or no model dir is set (`producer.submit.segment_length_fn`)."""
     storage = LocalStorage(out_dir)
     spec = plan_job(path, voice, settings, name=name, fmt=fmt, params=params,
-                    engine=engine.name if engine is not None else settings.engine)
-    check_voice(storage, voice)
+                    engine=engine.name if engine is not None else settings.engine, cast=cast, lexicon=lexicon,
+                    reuse=reuse, title=title, author=author)
+    check_voices(storage, spec)
     engine = engine or build_engine(settings)
     jobs = MemoryJobStore()
     store_spec(storage, spec)
@@ -49,4 +52,4 @@ def render_local(path: str | Path, out_dir: str | Path, voice: str, settings: Se
         on_progress(jobs.status(spec.id))
     if not finished.is_set():
         raise RuntimeError(f"job {spec.id}: pipeline stopped before every segment finished")
-    return assemble_job(storage, spec, jobs.failed(spec.id), engine.sample_rate, settings)
+    return assemble_job(storage, spec, jobs.failed(spec.id), engine.sample_rate, settings, jobs.reused_ids(spec.id))
