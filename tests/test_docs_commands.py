@@ -1,9 +1,10 @@
 """Every command the docs quote still parses, so README.md, BENCHMARKS.md and docs/ cannot rot.
 
-Commands are taken from fenced code blocks (each non-comment line, `\\` continuations joined) and
-from inline code spans, wherever they start with `voxbatch` or `python -m` (after env assignments
-and `.venv/bin/`); `&&`, `|` and `;` separate commands. A command tied to a past commit (the same
-line names `commit <hash>`) is history, not an instruction, and is skipped.
+Commands are taken from shell code blocks (``` bash, sh or bare; each non-comment line, `\\`
+continuations joined) and from inline code spans, wherever they start with `voxbatch` or
+`python -m` (after env assignments and `.venv/bin/`); `&&`, `|` and `;` separate commands. A
+command tied to a past commit (the same line names `commit <hash>`) is history, not an instruction,
+and is skipped.
 
 - `voxbatch ...` is parsed by the CLI itself with `--help` appended (click's parser under typer):
   unknown commands or options fail; the eager `--help` then stops it before anything runs.
@@ -30,7 +31,8 @@ from voxbatch.cli import app
 REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", REPO / "BENCHMARKS.md", *sorted((REPO / "docs").glob("*.md"))]
 NOT_CHECKED = {"pytest"}  # `python -m` modules that are not ours
-FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.MULTILINE | re.DOTALL)
+FENCE = re.compile(r"^```([^\n]*)\n(.*?)^```", re.MULTILINE | re.DOTALL)
+SHELL = {"", "bash", "sh", "shell", "console"}  # fences that hold commands (``` text: diagrams, layouts)
 SPAN = re.compile(r"(?<!`)`([^`\n]+)`(?!`)")
 ENV = re.compile(r"^[A-Z_][A-Z0-9_]*=")
 HISTORY = re.compile(r"\bcommit [0-9a-f]{7,}")
@@ -62,7 +64,9 @@ print(json.dumps(results))
 def _lines(text: str) -> list[str]:
     """Candidate command lines: code-block lines (continuations joined) and inline code spans."""
     out = []
-    for block in FENCE.findall(text):
+    for lang, block in FENCE.findall(text):
+        if lang.strip() not in SHELL:
+            continue
         joined = re.sub(r"\\\n\s*", " ", block)
         out += [ln for ln in joined.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
     prose = FENCE.sub("", text)

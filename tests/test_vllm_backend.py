@@ -43,11 +43,6 @@ def _vllm_or_skip() -> None:
 
 
 @pytest.fixture(scope="module")
-def ref(tiny_reference) -> dict[str, np.ndarray]:
-    return tiny_reference
-
-
-@pytest.fixture(scope="module")
 def min_len(tiny_facts) -> int:
     return int(tiny_facts.meta["llm"]["min_len"])
 

@@ -230,7 +230,7 @@ class CosyVoice2Engine(Engine):
         """Model files plus what changes the numbers (LLM backend, dtypes): a segment rendered in bf16
         is not reused for an fp32 worker. Hashing the files takes seconds, so it is done once."""
         if self._fingerprint is None:
-            from voxbatch.worker.cosyvoice2.model_files import model_digest
+            from voxbatch.model_files import model_digest
 
             digest = model_digest(self.model_dir) if self.model_dir is not None else f"unsaved-{id(self)}"
             p = self.placement
