@@ -262,6 +262,22 @@ MONTH_CASES = [
 ]
 
 
+YEAR_CASES = [
+    # wetext reads the inner zero of a year as "zero"; a speaker says "oh"
+    ("In 1905 he left.", "In nineteen oh five he left."),
+    ("On March 3, 1905 he left.", "On the third of March, nineteen oh five he left."),
+    # decades: wetext made "the 1900s" "the one thousand nine hundred seconds"
+    ("The 1900s and the 1990s.", "The nineteen hundreds and the nineteen nineties."),
+    ("Music of the 2010s and the 2000s.", "Music of the twenty tens and the two thousands."),
+]
+
+
+@pytest.mark.parametrize("text, spoken", YEAR_CASES)
+def test_years_and_decades_read_as_a_speaker_would(text, spoken):
+    pytest.importorskip("wetext")
+    assert normalize_text(text, "en") == spoken
+
+
 @pytest.mark.parametrize("text, spoken", MONTH_CASES)
 def test_dates_keep_capitalised_month_names(text, spoken):
     pytest.importorskip("wetext")

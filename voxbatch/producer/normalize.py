@@ -253,6 +253,23 @@ def clock_times_en(text: str) -> str:
 _MONTHS = ("january february march april may june july august september october november december").split()
 
 
+# Years wetext reads digit by digit after the century ("1905" -> "nineteen zero five"): a speaker says "oh".
+_YEAR_ZERO = re.compile(r"\b(eleven|twelve|thirteen|fourteen|fifteen|sixteen|seventeen|eighteen|nineteen) zero "
+                        r"(one|two|three|four|five|six|seven|eight|nine)\b")
+_YEAR_OH = re.compile(r"(?<![\d.,])1[1-9]0[1-9](?![\d]|[.,]\d)")
+# Decades ("the 1990s", "1900s", "2010s"), which wetext reads as "... nine hundred seconds".
+_DECADE = re.compile(r"(?<![\d.,'])(1[1-9]\d0|20[1-9]0|2000)s\b")
+
+
+def _decade_en(m: re.Match) -> str:
+    year = int(m.group(1))
+    if year == 2000:
+        return "two thousands"
+    high, low = divmod(year, 100)
+    words = f"{number_to_words(high)} {'hundred' if low == 0 else number_to_words(low)}"
+    return words[:-1] + "ies" if words.endswith("y") else words + "s"
+
+
 def capitalize_months(original: str, normalized: str) -> str:
     """Month names TN lowercased ("the fifth of january") capitalised again.
 
@@ -270,6 +287,7 @@ def _normalize_en(text: str, use_wetext: bool) -> str:
     # "Chapter XII" -> "Chapter twelve": TN leaves roman numerals alone, a speaker would say them as letters.
     text = _ROMAN_AFTER.sub(lambda m: f"{m.group(1)} {number_to_words(roman_to_int(m.group(2)))}", text)
     text = clock_times_en(text)
+    text = _DECADE.sub(_decade_en, text)
     # Money and thousands separators first: wetext 0.1.8 reads "1,234" as "thousand two hundred ..."
     # (it drops the "one").
     text = _MONEY.sub(_money_en, text)
@@ -277,7 +295,11 @@ def _normalize_en(text: str, use_wetext: bool) -> str:
     if not _EN_NEEDS_TN.search(text):
         return " ".join(text.split())
     out = _wetext(text, "en") if use_wetext else None
-    text = light_tn_en(text) if out is None else capitalize_months(original, spell_out_numbers(out))
+    if out is not None:
+        if _YEAR_OH.search(original):
+            out = _YEAR_ZERO.sub(r"\1 oh \2", out)
+        out = capitalize_months(original, out)
+    text = light_tn_en(text) if out is None else spell_out_numbers(out)
     return " ".join(text.split())
 
 
