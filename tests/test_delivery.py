@@ -65,8 +65,9 @@ def cli(*args: str, env: dict | None = None, check: bool = True) -> Result:
     return result
 
 
-def render(corpus: Path, out: Path, *args: str, env: dict | None = None) -> tuple[Path, Manifest]:
-    cli("render", str(corpus), "--out", str(out), *args, env=env)
+def render(corpus: Path, out: Path, *args: str, env: dict | None = None, exit_code: int = 0) -> tuple[Path, Manifest]:
+    proc = cli("render", str(corpus), "--out", str(out), *args, env=env, check=exit_code == 0)
+    assert proc.returncode == exit_code, proc.stdout + proc.stderr
     (job_dir,) = list((out / "jobs").iterdir())
     return job_dir, Manifest.model_validate_json((job_dir / "manifest.json").read_text())
 
@@ -179,7 +180,8 @@ def test_acx_on_the_tone_engine(book_md, tmp_path):
 
 def test_qc_exit_code_follows_the_rules(book_md, tmp_path):
     # A 3 s lead before each chapter: more than ACX's 1 s of head room tone, which mastering never cuts.
-    _, manifest = render(book_md, tmp_path / "out", "--preset", "acx", env={"VOXBATCH_CHAPTER_LEAD_MS": "3000"})
+    _, manifest = render(book_md, tmp_path / "out", "--preset", "acx", env={"VOXBATCH_CHAPTER_LEAD_MS": "3000"},
+                         exit_code=1)  # render itself says the delivery is not within the preset
     assert manifest.qc and not any(r.passed for r in manifest.qc)
     assert all(r.checks == {**r.checks, "room_tone_head": False} for r in manifest.qc)
     proc = cli("qc", manifest.job_id, "--out", str(tmp_path / "out"), check=False)
