@@ -273,8 +273,11 @@ class Pipeline:
         where = f"segment {job_id}/{seg.id}"
         if self._service(lambda: self.jobs.is_done(job_id, seg.id), where, stop=self._abandoned):
             return True
+        # The cache first: a hit is two requests (get, copy over whatever an earlier delivery stored).
+        if handle.task.reuse and self._reuse(handle, seg):
+            return True
         if not self._service(lambda: self.storage.exists(key), where, stop=self._abandoned):
-            return handle.task.reuse and self._reuse(handle, seg)
+            return False
         # Stored by an earlier delivery that died before recording it: record it now, don't re-render.
         data = self._service(lambda: self.storage.get(key), where, stop=self._abandoned)
         try:
@@ -288,9 +291,9 @@ class Pipeline:
     def _reuse(self, handle: TaskHandle, seg: TaskSegment) -> bool:
         """Take the segment's audio from the content-addressed cache when it is there (reuse.py)."""
         task, key = handle.task, _Tag(handle, seg).key
-        cache_key = self.cache.key(task, seg)
         where = f"segment {task.job_id}/{seg.id}"
         try:
+            cache_key = self.cache.key(task, seg)  # KeyError: no such voice (the engine reports it)
             data = self._service(lambda: self.storage.get(cache_key), where, stop=self._abandoned)
             self._service(lambda: self.storage.copy(cache_key, key), where, stop=self._abandoned)
         except KeyError:
