@@ -244,7 +244,7 @@ def test_wetext_works_offline():
 
 def test_engine_tokenizer_plugs_in_as_length_function(tiny_model_dir):
     """The engine's tokenizer (`token_length`) is a drop-in `LengthFn` (the fixture's toy BPE here)."""
-    tokenizer_mod = pytest.importorskip("voxbatch.worker.cosyvoice2.tokenizer")
+    tokenizer_mod = pytest.importorskip("voxbatch.tokenizer")
     tok = tokenizer_mod.CosyVoice2Tokenizer.from_model_dir(tiny_model_dir)
     text = " ".join(f"Sentence {i} of the chapter tells a short part of the story." for i in range(40))
     chapter = Chapter(index=0, title="t", text=text, source="x")
@@ -339,7 +339,7 @@ def test_plan_job_measures_segments_with_the_model_tokenizer(tiny_model_dir, tmp
     """With a model dir (submit's and render's `--model-dir` / VOXBATCH_MODEL_DIR) segments follow the
     official 80/60/20 rules in the model's own tokens; without one, or for the tone engine, the
     tokenizer-free estimate decides, and here it packs past 80 real tokens."""
-    from voxbatch.worker.cosyvoice2.tokenizer import CosyVoice2Tokenizer
+    from voxbatch.tokenizer import CosyVoice2Tokenizer
 
     count = CosyVoice2Tokenizer.from_model_dir(tiny_model_dir).token_length
     sentence_max = max(count(" " + s) for p in paragraphs(BOOK) for s in split_sentences(p, "en"))
