@@ -316,7 +316,6 @@ def run_pipeline(engine: Engine, texts: list[str], storage_root: Path, settings:
     a local folder), fed exactly as `voxbatch worker` feeds it: tasks of `settings.batch_size`
     segments, `task_threads(settings)` of them at once, each holding its segments in the worker's
     `SegmentBudget` (voxbatch/worker/budget.py). Wall time from the first task to the last segment stored."""
-    from voxbatch import keys
     from voxbatch.jobstate import MemoryJobStore
     from voxbatch.models import RenderTask, SynthesisParams, TaskSegment, segment_id
     from voxbatch.storage import LocalStorage
@@ -327,7 +326,7 @@ def run_pipeline(engine: Engine, texts: list[str], storage_root: Path, settings:
     jobs = MemoryJobStore()
     job = f"bench-{int(time.time() * 1000)}"
     jobs.create(job, "bench", "bench", fmt, len(texts), time.time())
-    segs = [TaskSegment(id=segment_id(0, i), chapter=0, text=t, key=keys.segment(job, 0, i, fmt), seed=1000 + i)
+    segs = [TaskSegment(id=segment_id(0, i), chapter=0, text=t, seed=1000 + i)
             for i, t in enumerate(texts)]
     bs = settings.batch_size
     tasks = iter([RenderTask(job_id=job, voice="bench", format=fmt, params=SynthesisParams(), reuse=False, segments=segs[k : k + bs])

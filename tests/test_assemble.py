@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from voxbatch.producer import assemble as asm
-from voxbatch.producer.subtitles import LINE_WIDTH, samples_to_ms, srt_time, vtt_time, wrap
+from voxbatch.producer.subtitles import LINE_WIDTH, display_width, samples_to_ms, srt_time, vtt_time, wrap
 from voxbatch import audio, keys
 from voxbatch.models import JobSpec, Segment
 from voxbatch.settings import Settings
@@ -193,8 +193,16 @@ def test_subtitle_formatting_details():
     assert wrap("word " * 9) == ["word word word word word", "word word word word"]
     lines = wrap("word " * 30)
     assert len(lines) == 4 and all(len(x) <= LINE_WIDTH for x in lines) and len(lines[-1]) >= 20
-    cjk = wrap("一" * 100)  # no spaces: broken by width, still balanced
-    assert "".join(cjk) == "一" * 100 and [len(x) for x in cjk] == [34, 34, 32]
+    cjk = wrap("一" * 100)  # no spaces: broken by display width (2 columns a character), still balanced
+    assert "".join(cjk) == "一" * 100 and [len(x) for x in cjk] == [20, 20, 20, 20, 20]
+    # Issue 14: a 43-character Chinese cue was one line; now lines fit 42 columns, punctuation never opens one.
+    cue = "午后，风暴来了。雨点敲打着屋顶，街道在几分钟内就空了。雨停以后，全镇的人都出来看海。"
+    lines = wrap(cue)
+    assert "".join(lines) == cue and len(lines) == 2
+    assert all(display_width(x) <= LINE_WIDTH for x in lines)
+    assert not any(x[0] in "，。" for x in lines)
+    mixed = wrap("我用 iPhone 15 Pro Max 拍了很多张照片，然后发给了远方的朋友们看看。")
+    assert all(display_width(x) <= LINE_WIDTH for x in mixed) and "iPhone" in "".join(mixed)
     assert wrap("two\n\nparagraphs") == ["two paragraphs"]  # no blank line inside a cue
 
 

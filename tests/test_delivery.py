@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.test_distributed import cluster  # noqa: F401 - the real-services fixture
 from voxbatch.models import Manifest
 
 RATE = 44100
@@ -65,8 +66,9 @@ def cli(*args: str, env: dict | None = None, check: bool = True) -> Result:
     return result
 
 
-def render(corpus: Path, out: Path, *args: str, env: dict | None = None) -> tuple[Path, Manifest]:
-    cli("render", str(corpus), "--out", str(out), *args, env=env)
+def render(corpus: Path, out: Path, *args: str, env: dict | None = None, exit_code: int = 0) -> tuple[Path, Manifest]:
+    proc = cli("render", str(corpus), "--out", str(out), *args, env=env, check=exit_code == 0)
+    assert proc.returncode == exit_code, proc.stdout + proc.stderr
     (job_dir,) = list((out / "jobs").iterdir())
     return job_dir, Manifest.model_validate_json((job_dir / "manifest.json").read_text())
 
@@ -178,13 +180,22 @@ def test_acx_on_the_tone_engine(book_md, tmp_path):
 
 
 def test_qc_exit_code_follows_the_rules(book_md, tmp_path):
-    # A 3 s lead before each chapter: more than ACX's 1 s of head room tone, which mastering never cuts.
-    _, manifest = render(book_md, tmp_path / "out", "--preset", "acx", env={"VOXBATCH_CHAPTER_LEAD_MS": "3000"})
-    assert manifest.qc and not any(r.passed for r in manifest.qc)
-    assert all(r.checks == {**r.checks, "room_tone_head": False} for r in manifest.qc)
+    # A 3 s lead before each chapter is cut to ACX's head room tone (only silence is ever cut), but a
+    # 3 s cap on file length cannot be met by files whose one segment alone is longer: flagged, exit 1.
+    env = {"VOXBATCH_CHAPTER_LEAD_MS": "3000", "VOXBATCH_MASTER_MAX_FILE_S": "3"}
+    job_dir, manifest = render(book_md, tmp_path / "out", "--preset", "acx", env=env,
+                               exit_code=1)  # render itself says the delivery is not within the preset
+    assert manifest.qc and not all(r.passed for r in manifest.qc)
+    for r in manifest.qc:
+        assert r.checks["length"] is (r.levels.duration_s <= 3.0) and r.passed is r.checks["length"]
+        assert r.checks["room_tone_head"] and 0.5 <= levels(pcm(job_dir.parent.parent / r.key))["head"] <= 1.0
+        if r.part == 1:  # the chapter's first file opened with the 3 s lead
+            assert r.source_levels.head_s >= 3.0
+    first = next(s for s in manifest.segments if s.chapter == 1)
+    assert 0.5 <= first.start_s <= 1.0  # cues moved with the cut
     proc = cli("qc", manifest.job_id, "--out", str(tmp_path / "out"), check=False)
     assert proc.returncode == 1
-    assert "FAIL" in proc.stdout and "room_tone_head" in proc.stdout
+    assert "FAIL" in proc.stdout and "length (no file over 120 minutes" in proc.stdout
     missing = cli("qc", "nosuchjob", "--out", str(tmp_path / "out"), check=False)
     assert missing.returncode == 2 and "Traceback" not in missing.stderr
 
@@ -315,3 +326,25 @@ def test_m4b_carries_title_author_cover_and_no_cover_chapter(tmp_path):
     # With --epub-all-spine the non-linear cover page is read like any other page.
     _, everything = render(corpus, tmp_path / "all", "--epub-all-spine")
     assert any("lighthouse society" in s.text for s in everything.segments)
+
+
+# --- the distributed path: submit -> workers (mp3 segments) -> S3 -> assembler masters ------------
+
+
+def test_submit_with_acx_through_workers_and_the_assembler(cluster, book_md, tmp_path):
+    cluster.start("worker")
+    cluster.start("assembler")
+    job_id = cluster.submit(book_md, "--preset", "acx", "--format", "mp3", "--author", "Ann Writer")
+    assert cluster.wait_finished(job_id).state == "completed"
+    manifest = cluster.manifest(job_id)
+    assert manifest.preset == "acx" and manifest.format == "mp3" and len(manifest.chapters) == 4
+    seg = manifest.segments[0]
+    assert seg.key.endswith(".mp3")  # the workers stored MP3 segments at the engine's rate
+    seg_path = tmp_path / "seg.mp3"
+    seg_path.write_bytes(cluster.storage.get(seg.key))
+    assert len(pcm(seg_path)) == pytest.approx(seg.duration_s * 24000, abs=1)  # gapless: exact length
+    for chapter in manifest.chapters:
+        path = tmp_path / chapter.key.rsplit("/", 1)[-1]
+        path.write_bytes(cluster.storage.get(chapter.key))
+        check_acx_file(path)
+    assert cluster.cli("qc", job_id).returncode == 0  # reads the manifest from S3

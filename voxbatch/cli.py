@@ -121,9 +121,12 @@ def status(job: str, watch: bool = typer.Option(False, help="progress bar until 
     from voxbatch.producer.control import JobNotFound, get_status, status_table
     from voxbatch.producer.control import watch as watch_job
 
-    jobs = _jobs(_settings())
+    from voxbatch.storage import open_storage
+
+    settings = _settings()
+    jobs = _jobs(settings)
     try:
-        s = watch_job(jobs, job, console) if watch else get_status(jobs, job)
+        s = watch_job(jobs, job, console) if watch else get_status(jobs, job, open_storage(settings))
     except JobNotFound as e:
         _fail(str(e.args[0]))
     console.print(status_table(s))
@@ -139,7 +142,7 @@ def cancel(job: str):
 
 @app.command()
 def retry(job: str, queue: Optional[str] = typer.Option(None, help="render queue")):
-    """Re-enqueue only the failed or missing segments of a job."""
+    """Re-enqueue only the failed or missing segments of a job (rebuilt from storage if Redis lost it)."""
     from voxbatch.producer.control import JobNotFound, retry_job
     from voxbatch.producer.submit import SubmitError
     from voxbatch.storage import open_storage
@@ -191,13 +194,19 @@ def worker(gpus: Optional[str] = typer.Option(None, help="comma-separated GPU id
 
 @app.command()
 def assembler(concurrency: int = typer.Option(2, help="assemble tasks at once")):
-    """Start the CPU assembler: chapters, manifest, subtitles and m4b once a job's last segment lands."""
+    """Start the CPU assembler: chapters, manifest, subtitles and m4b once a job's last segment lands;
+    also sweeps for segments nothing will finish and re-enqueues them."""
     import voxbatch.producer.tasks  # noqa: F401 - registers voxbatch.assemble
+    from voxbatch.broker import install_heartbeat
     from voxbatch.celery_app import app as celery_app
     from voxbatch.celery_app import configure_celery
+    from voxbatch.producer.sweeper import start_sweeper
+    from voxbatch.storage import open_storage
 
     settings = _settings()
     configure_celery(settings)
+    install_heartbeat(settings.broker_url, settings.task_heartbeat_s)
+    start_sweeper(_jobs(settings), open_storage(settings), settings)
     celery_app.worker_main(["worker", "--pool", "threads", "--concurrency", str(concurrency), "--queues",
                             settings.assemble_queue, "--hostname", "voxbatch-assembler@%h",
                             "--without-gossip", "--without-mingle", "--loglevel", "INFO"])
@@ -222,7 +231,7 @@ def render(path: Path, out: Path = typer.Option(..., help="output folder"),
            no_reuse: bool = typer.Option(False, "--no-reuse", help=NO_REUSE_HELP)):
     """Render a corpus in this process into a local folder (no Redis, no S3): the embedded default."""
     from voxbatch.models import SynthesisParams
-    from voxbatch.worker.local import render_local
+    from voxbatch.embedded import render_local
 
     settings = _settings(engine=engine, llm_backend=llm_backend, model_dir=str(model_dir) if model_dir else None,
                          output_format=format, storage_url=out.resolve().as_uri(), preset=preset,
@@ -237,6 +246,16 @@ def render(path: Path, out: Path = typer.Option(..., help="output folder"),
     console.print(f"job {manifest.job_id}: {len(manifest.segments)} segments ({manifest.reused} reused, "
                   f"{len(manifest.segments) - manifest.reused} rendered), {total:.1f} s of audio, "
                   f"state {manifest.state} -> {escape(str(out / 'jobs' / manifest.job_id))}", highlight=False, soft_wrap=True)
+    _exit_on_qc_failures(manifest)
+
+
+def _exit_on_qc_failures(manifest) -> None:
+    """A preset was asked and some chapter file is outside it: say which, exit 1 (never shipped silently)."""
+    failing = [row.key for row in manifest.qc if not row.passed]
+    if failing:
+        err.print(f"QC: {len(failing)} of {len(manifest.qc)} file(s) fail preset {manifest.preset} "
+                  f"(voxbatch qc {manifest.job_id})", highlight=False, soft_wrap=True)
+        raise typer.Exit(1)
 
 
 @app.command()

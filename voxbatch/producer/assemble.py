@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import tempfile
+import threading
 from collections import defaultdict, deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -46,10 +47,10 @@ from voxbatch.producer import m4b, qc
 from voxbatch.producer.mastering import CEILING_RETRIES, Mastered, Preset, master, preset_for
 from voxbatch.producer.subtitles import Cue, samples_to_ms, to_srt, to_vtt
 from voxbatch import keys
-from voxbatch.audio import AudioDecodeError, clip, content_type, decode, open_writer
+from voxbatch.audio import AudioDecodeError, clip, content_type, decode, open_writer, probe
 from voxbatch.models import (JobSpec, Manifest, ManifestChapter, ManifestItem, ManifestSegment, QcLevels, QcRow,
                              Segment)
-from voxbatch.tags import Tags, write_tags
+from voxbatch.tags import TAGGED_FORMATS, Tags, write_tags
 from voxbatch.settings import Settings
 from voxbatch.storage import Storage, StorageError
 
@@ -79,12 +80,14 @@ class _Timeline:
 
     sample_rate: int | None
     channels: int | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)  # items are checked from copy threads
 
     def check(self, sr: int, channels: int) -> None:
-        if self.sample_rate is None:
-            self.sample_rate = sr
-        if self.channels is None:
-            self.channels = channels
+        with self._lock:
+            if self.sample_rate is None:
+                self.sample_rate = sr
+            if self.channels is None:
+                self.channels = channels
         if sr != self.sample_rate:
             raise SegmentAudioError(f"sample rate {sr} Hz differs from the job's {self.sample_rate} Hz")
         if channels != self.channels:
@@ -237,19 +240,51 @@ def _assemble_chapter(
     return chapter
 
 
+def _assemble_and_deliver(storage: Storage, d: _Delivery, index: int, segments: list[Segment], timeline: _Timeline,
+                          settings: Settings, pool: ThreadPoolExecutor, title: str, lead_ms: int) -> list[_File]:
+    """One chapter (or multi-segment item): segments into raw PCM, then delivered plain or mastered."""
+    pcm = _Pcm(d.tmp / f"chapter-{index:04d}.f32")
+    try:
+        try:
+            chapter = _assemble_chapter(storage, d.spec, index, segments, timeline, settings, pcm, pool, lead_ms)
+        finally:
+            pcm.close()
+        if d.preset is None:
+            return _deliver_plain(storage, d, chapter, pcm.path, timeline, title)
+        return _deliver_mastered(storage, d, chapter, pcm.path, timeline, title, settings)
+    finally:
+        pcm.path.unlink(missing_ok=True)
+
+
+def _copy_item(storage: Storage, spec: JobSpec, seg: Segment, item_key: str, timeline: _Timeline) -> _File:
+    """A one-segment item is its segment: the object is copied to the item key (server-side on S3, a
+    hard link locally; no decode, no re-encode), after the checks a chapter's segments get."""
+    key = keys.segment(spec.id, seg.chapter, seg.index, spec.format)
+    try:
+        info = probe(storage.get(key), storage.describe(key))
+        timeline.check(info.sample_rate, info.channels)
+        storage.copy(key, item_key)
+    except KeyError:
+        raise _ChapterFailed(seg.id, f"missing from storage: {storage.describe(key)}") from None
+    except (AudioDecodeError, SegmentAudioError) as e:
+        raise _ChapterFailed(seg.id, str(e)) from e
+    return _File(item_key, None, info.frames, _file_cues([_Placed(seg, key, 0, info.frames)], info.sample_rate))
+
+
 def _cues(f: _File) -> list[Cue]:
     return [Cue(c.start_ms, c.end_ms, c.placed.segment.text) for c in f.cues]
 
 
 def _file_cues(placed: list[_Placed], sample_rate: int, first: int = 0, shift_ms: int = 0) -> list[_FileCue]:
     """Cues of segments placed from sample `first` of the chapter on, in a file that starts there and
-    has `shift_ms` of room tone put in front."""
-    return [
-        _FileCue(p, samples_to_ms(p.start - first, sample_rate) + shift_ms,
-                 samples_to_ms(p.start - first + p.length, sample_rate) + shift_ms,
-                 (p.start - first) / sample_rate + shift_ms / 1000, p.length / sample_rate)
-        for p in placed
-    ]
+    has `shift_ms` of room tone put in front (< 0: cut from its silent head)."""
+    cues = []
+    for p in placed:
+        start_ms = max(0, samples_to_ms(p.start - first, sample_rate) + shift_ms)  # a cut head: never < 0
+        end_ms = max(start_ms, samples_to_ms(p.start - first + p.length, sample_rate) + shift_ms)
+        start_s = max(0.0, (p.start - first) / sample_rate + shift_ms / 1000)
+        cues.append(_FileCue(p, start_ms, end_ms, start_s, p.length / sample_rate))
+    return cues
 
 
 @dataclass
@@ -304,8 +339,8 @@ def _split_points(chapter: _AssembledChapter, sample_rate: int, max_s: float, pa
     return starts
 
 
-def _master_file(audio: np.ndarray, sr: int, d: _Delivery, out_path: Path, seed: int,
-                 tags: Tags) -> tuple[Mastered, QcLevels, dict[str, bool]]:
+def _master_file(audio: np.ndarray, sr: int, d: _Delivery, out_path: Path, seed: int, tags: Tags,
+                 max_file_s: float) -> tuple[Mastered, QcLevels, dict[str, bool]]:
     """Master, encode, tag and measure one file; lower the ceiling and redo when encoding pushed peaks over."""
     preset = d.preset
     offset = 0.0
@@ -316,7 +351,7 @@ def _master_file(audio: np.ndarray, sr: int, d: _Delivery, out_path: Path, seed:
         decoded, got_sr = decode(out_path.read_bytes(), out_path.name)
         levels = qc.measure(decoded, got_sr)
         facts = {"format": preset.fmt, "kbps": preset.kbps, "sample_rate": got_sr,
-                 "channels": 1 if decoded.ndim == 1 else decoded.shape[1]}
+                 "channels": 1 if decoded.ndim == 1 else decoded.shape[1], "max_file_s": max_file_s}
         checks = qc.check(preset.name, levels, facts)
         over = max(levels.peak_dbfs - qc.PEAK_LIMIT_DB.get(preset.name, 0.0),
                    levels.true_peak_dbtp - qc.TRUE_PEAK_LIMIT_DB.get(preset.name, 0.0))
@@ -345,7 +380,8 @@ def _deliver_mastered(storage: Storage, d: _Delivery, chapter: _AssembledChapter
         piece = np.asarray(audio[lo:hi])
         file_title = title if part is None else f"{title} ({part}/{len(bounds)})"
         mastered, levels, checks = _master_file(piece, sr, d, out_path, seed=chapter.index * 1000 + k,
-                                                tags=d.tags(file_title, chapter.index + 1))
+                                                tags=d.tags(file_title, chapter.index + 1),
+                                                max_file_s=settings.master_max_file_s)
         if d.book is not None:
             d.book.write(mastered.audio)
         source = qc.measure(piece, sr)
@@ -462,31 +498,29 @@ def assemble_job(
                       chapters_total=len(spec.chapters), cover=_load_cover(storage, spec),
                       book=_Pcm(tmp / "book.f32") if ffmpeg else None, tmp=tmp)
         pool = ThreadPoolExecutor(PREFETCH, thread_name_prefix="assemble-get")
+        copier = ThreadPoolExecutor(PREFETCH, thread_name_prefix="assemble-copy")
+        copies = {index: copier.submit(_copy_item, storage, spec, segs[0], keys.item(spec.id, spec.chapters[index], fmt),
+                                       timeline)
+                  for index, segs in by_chapter.items()
+                  if items and fmt not in TAGGED_FORMATS and len(segs) == 1 and segs[0].id not in failed}
         try:
             for index, title in enumerate(spec.chapters):
                 book_start[index] = book_length
                 segments = by_chapter.get(index, [])
                 files: list[_File] = []
                 if segments and not any(s.id in failed for s in segments):
-                    pcm = _Pcm(tmp / f"chapter-{index:04d}.f32")
                     mark = d.book.mark() if d.book else 0
                     try:
-                        try:
-                            chapter = _assemble_chapter(storage, spec, index, segments, timeline, settings, pcm, pool,
-                                                        0 if items else settings.chapter_lead_ms)
-                        finally:
-                            pcm.close()
-                        if preset is None:
-                            files = _deliver_plain(storage, d, chapter, pcm.path, timeline, title)
+                        if index in copies:
+                            files = [copies[index].result()]
                         else:
-                            files = _deliver_mastered(storage, d, chapter, pcm.path, timeline, title, settings)
+                            files = _assemble_and_deliver(storage, d, index, segments, timeline, settings, pool, title,
+                                                          0 if items else settings.chapter_lead_ms)
                     except _ChapterFailed as e:
                         failed[e.segment_id] = e.error
                         log.warning("job %s: chapter %d not assembled: %s", spec.id, index, e)
                         if d.book:
                             d.book.rewind(mark)
-                    finally:
-                        pcm.path.unlink(missing_ok=True)
                 if files:
                     delivered[index] = files
                 if items:
@@ -507,6 +541,7 @@ def assemble_job(
                 _delete_except(storage, earlier, keys.subtitles_prefix(spec.id, index), produced)
         finally:
             pool.shutdown(cancel_futures=True)
+            copier.shutdown(cancel_futures=True)
             if d.book:
                 d.book.close()
 

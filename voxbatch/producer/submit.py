@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from voxbatch import keys
-from voxbatch.models import Chapter, JobSpec, RenderTask, Segment, SynthesisParams, TaskSegment, content_seed
+from voxbatch.models import Chapter, JobSpec, RenderTask, Segment, SynthesisParams, TaskSegment
 from voxbatch.reuse import is_builtin_voice
 from voxbatch.settings import AudioFormat, Settings
 from voxbatch.storage import Storage
@@ -35,7 +35,7 @@ def segment_length_fn(settings: Settings, voice: str, engine: str | None = None)
     """
     if engine == "tone" or is_builtin_voice(voice) or not settings.model_dir:
         return None
-    from voxbatch.worker.cosyvoice2.tokenizer import CosyVoice2Tokenizer
+    from voxbatch.tokenizer import CosyVoice2Tokenizer
 
     return CosyVoice2Tokenizer.from_model_dir(settings.model_dir).token_length
 
@@ -137,9 +137,7 @@ def render_tasks(spec: JobSpec, batch_size: int, segments: list[Segment] | None 
             yield RenderTask(
                 job_id=spec.id, voice=voice, format=spec.format, params=params, reuse=spec.reuse,
                 segments=[
-                    TaskSegment(id=s.id, chapter=s.chapter, text=s.text,
-                                key=keys.segment(spec.id, s.chapter, s.index, spec.format),
-                                seed=s.seed if s.seed is not None else content_seed(s.text, voice, params))
+                    TaskSegment(id=s.id, chapter=s.chapter, text=s.text, seed=spec.seed_of(s))
                     for s in segs[i: i + batch_size]
                 ],
             )

@@ -14,6 +14,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
+from voxbatch.models import RAS_TAU_R, RAS_TOP_K, RAS_TOP_P, RAS_WIN_SIZE
+
 
 @dataclass(frozen=True)
 class LlmRequest:
@@ -22,10 +24,10 @@ class LlmRequest:
     min_tokens: int  # eos is masked before this many tokens (official: 2 * len(target text tokens))
     max_tokens: int  # hard cap (official: 20 * len(target text tokens))
     seed: int
-    top_p: float = 0.8
-    top_k: int = 25
-    win_size: int = 10
-    tau_r: float = 0.1
+    top_p: float = RAS_TOP_P  # repetition-aware sampling, the official values by default
+    top_k: int = RAS_TOP_K
+    win_size: int = RAS_WIN_SIZE
+    tau_r: float = RAS_TAU_R
     greedy: bool = False  # argmax instead of RAS (parity tests, debugging)
 
 
@@ -66,8 +68,17 @@ class ListFeed:
 
 
 class LlmBackend(ABC):
+    """What the engine calls, and all it calls: nothing is looked up with getattr."""
+
     name: str
-    max_batch: int = 64
+    max_batch: int = 64  # requests decoded at once (the torch backend's rows, vLLM's max_num_seqs)
+    max_seq: int  # positions one request may use (prompt + generated tokens); the engine caps max_tokens to fit
+
+    def warmup(self) -> None:
+        """Once, before the first task (the torch backend captures its CUDA graphs); nothing by default."""
+
+    def close(self) -> None:
+        """Free what the backend holds (engine processes, caches, GPU memory); nothing by default."""
 
     @abstractmethod
     def generate(self, requests: list[LlmRequest]) -> Iterator[LlmResult]:
