@@ -155,6 +155,7 @@ class JobStatus(Frozen):
     created_at: float
     updated_at: float
     errors: dict[str, str] = {}
+    reason: str | None = None  # why the job failed, when the job itself (not a segment) did
 
     @property
     def finished(self) -> bool:

@@ -45,7 +45,7 @@ from voxbatch import keys
 from voxbatch.audio import AudioDecodeError, clip, content_type, decode, open_writer
 from voxbatch.models import JobSpec, Manifest, ManifestChapter, ManifestSegment, Segment
 from voxbatch.settings import Settings
-from voxbatch.storage import Storage, StorageError
+from voxbatch.storage import Storage
 
 log = logging.getLogger(__name__)
 
@@ -354,19 +354,29 @@ def assemble_job(
     return manifest
 
 
-def fetch_job(storage: Storage, job_id: str, out_dir: str | Path) -> int:
+def fetch_job(storage: Storage, job_id: str, out_dir: str | Path) -> tuple[int, list[str]]:
     """Download every object under jobs/<id>/ into `out_dir`, keeping the layout below the job.
 
     `out_dir/manifest.json`, `out_dir/chapters/0000.wav`, ... Each file appears whole or not at
-    all (written beside its final name, then renamed). Returns the number of files written.
+    all (written beside its final name, then renamed). A key that cannot be a file there (it would
+    land outside `out_dir`, or collides with a folder) or that vanished is skipped, and the rest
+    fetched. Returns (files written, one line per key skipped).
     """
     out = Path(out_dir).resolve()
     prefix = keys.job_prefix(job_id)
-    count = 0
+    count, skipped = 0, []
     for key in storage.list(prefix):
         target = (out / key[len(prefix):]).resolve()
         if out not in target.parents:
-            raise StorageError(f"object {storage.describe(key)} would land outside {out}")
-        storage.get_file(key, target)
+            skipped.append(f"skipped {storage.describe(key)}: it would land outside {out}")
+            continue
+        try:
+            storage.get_file(key, target)
+        except KeyError:
+            skipped.append(f"skipped {storage.describe(key)}: gone before it was fetched")
+            continue
+        except OSError as e:  # a key that is also a folder ("a" and "a/b"), a name the OS refuses
+            skipped.append(f"skipped {storage.describe(key)}: cannot write {target} ({e.strerror or e})")
+            continue
         count += 1
-    return count
+    return count, skipped

@@ -36,6 +36,7 @@ def assemble(self, job_id: str) -> dict:
     except Exception as e:
         if self.request.retries >= MAX_RETRIES:
             log.error("job %s: assembly failed for good: %s", job_id, e)
+            jobs.set_reason(job_id, f"assembly failed: {type(e).__name__}: {e}")
             jobs.set_state(job_id, "failed")
             raise
         raise self.retry(exc=e, countdown=2 ** self.request.retries) from e
