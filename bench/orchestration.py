@@ -60,7 +60,7 @@ from rich.console import Console
 from rich.table import Table
 
 from voxbatch.producer.submit import render_tasks
-from tests import services
+from voxbatch import testing_services as services
 from voxbatch import jobstate
 from voxbatch.celery_app import configure_celery, send_render
 from voxbatch.jobstate import MemoryJobStore, RedisJobStore

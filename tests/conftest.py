@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import services
+from voxbatch import testing_services as services
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -379,7 +379,7 @@ def test_keda_value_location_resolves_against_the_real_exporter(redis_server):
 
     import redis
 
-    from tests.services import free_port, wait_until
+    from voxbatch.testing_services import free_port, wait_until
 
     client = redis.Redis.from_url(redis_server.url)
     client.flushdb()

@@ -19,7 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests import corpora, services
+from tests import corpora
+from voxbatch import testing_services as services
 from voxbatch import keys
 from voxbatch.audio import decode
 from voxbatch.jobstate import RedisJobStore

@@ -23,7 +23,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from voxbatch.producer.submit import plan_job
-from tests import corpora, services
+from tests import corpora
+from voxbatch import testing_services as services
 from voxbatch.jobstate import RedisJobStore
 from voxbatch.settings import Settings
 from voxbatch.storage import S3Storage

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests import services
+from voxbatch import testing_services as services
 from voxbatch.settings import Settings
 from voxbatch.storage import LocalStorage, S3Storage, StorageError, open_storage
 

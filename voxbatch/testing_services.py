@@ -1,7 +1,10 @@
-"""Real services for integration tests: redis-server, SeaweedFS (`weed mini`) and voxbatch processes.
+"""Real services for integration tests and benchmarks: redis-server, SeaweedFS (`weed mini`) and
+voxbatch processes.
 
-Each is started on loopback on free ports and stopped after the session. A missing binary skips the
-tests that need it locally, and fails them under CI=true (CI must have installed everything).
+Each is started on loopback on free ports and stopped after use. A missing binary skips the tests
+that need it locally, and fails them under CI=true (CI must have installed everything); outside
+pytest (the benchmarks) it raises. It lives in the package, not in tests/, so that bench/ and tests/
+share it without importing each other.
 """
 
 from __future__ import annotations
@@ -19,13 +22,13 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
-
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[1]  # the checkout (processes run from its root)
 S3_KEY, S3_SECRET = "vbtestaccess", "vbtestsecret-do-not-log"
 
 
 def missing(what: str) -> None:
+    import pytest
+
     if os.environ.get("CI") == "true":
         pytest.fail(f"{what} is not available, and CI must provide it (see .ci/run)")
     pytest.skip(f"{what} is not available here")
