@@ -259,12 +259,14 @@ def fetch(job: str, out: Path = typer.Option(..., help="folder to download the j
     from voxbatch.keys import check_name
 
     storage = open_storage(_settings())
+    storage.check()
     n, skipped = fetch_job(storage, check_name("job id", job), out)
     for problem in skipped:
         _warn(problem)
     if n == 0 and not skipped:
         _fail(f"job {job!r}: nothing stored at {storage.describe(f'jobs/{job}/')}")
-    console.print(f"fetched {n} file(s) into {escape(str(out))}" + (f", skipped {len(skipped)}" if skipped else ""))
+    console.print(f"fetched {n} file(s) into {escape(str(out))}" + (f", skipped {len(skipped)}" if skipped else ""),
+                  soft_wrap=True)
     if skipped:
         raise typer.Exit(EXIT_FAILURES)
 
@@ -275,7 +277,7 @@ def list_jobs(limit: int = typer.Option(50, help="most jobs to list")):
     from voxbatch.producer.control import jobs_table
 
     settings = _settings()
-    console.print(jobs_table(_jobs(settings), limit, settings))
+    console.print(jobs_table(_jobs(settings), limit, settings), crop=False)  # ids stay whole past the width
 
 
 @app.command()

@@ -45,7 +45,7 @@ from voxbatch import keys
 from voxbatch.audio import AudioDecodeError, clip, content_type, decode, open_writer
 from voxbatch.models import JobSpec, Manifest, ManifestChapter, ManifestSegment, Segment
 from voxbatch.settings import Settings
-from voxbatch.storage import Storage
+from voxbatch.storage import Storage, StorageError
 
 log = logging.getLogger(__name__)
 
@@ -374,6 +374,9 @@ def fetch_job(storage: Storage, job_id: str, out_dir: str | Path) -> tuple[int, 
             storage.get_file(key, target)
         except KeyError:
             skipped.append(f"skipped {storage.describe(key)}: gone before it was fetched")
+            continue
+        except StorageError as e:  # a local store's symlink leading out of its root
+            skipped.append(f"skipped {storage.describe(key)}: {e}")
             continue
         except OSError as e:  # a key that is also a folder ("a" and "a/b"), a name the OS refuses
             skipped.append(f"skipped {storage.describe(key)}: cannot write {target} ({e.strerror or e})")

@@ -99,7 +99,7 @@ def status_table(status: JobStatus, jobs: RedisJobStore | None = None, max_error
     are retried, the last errors of the others (`jobs` is needed for those)."""
     table = Table(title=f"job {escape(status.id)}")
     table.add_column("field", no_wrap=True)
-    table.add_column("value")
+    table.add_column("value", overflow="fold")
     for k, v in [("name", status.name), ("state", status.state), ("segments", f"{status.done}/{status.total}"),
                  ("failed", str(status.failed)), ("audio", f"{status.audio_s:.1f} s")]:
         table.add_row(k, escape(v))
@@ -124,7 +124,7 @@ def jobs_table(jobs: RedisJobStore, limit: int = 50, settings: Settings | None =
     width = max([len(s.id) for s in statuses] + [2])
     table.add_column("id", no_wrap=True, min_width=width)
     for col in ("name", "state", "done", "failed", "total", "audio s", "created"):
-        table.add_column(col)
+        table.add_column(col, overflow="fold")
     for s in statuses:
         table.add_row(escape(s.id), escape(s.name), s.state, str(s.done), str(s.failed), str(s.total),
                       f"{s.audio_s:.1f}", time.strftime("%Y-%m-%d %H:%M", time.localtime(s.created_at)))

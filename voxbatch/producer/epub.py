@@ -187,7 +187,8 @@ def read_epub(path: Path, limits: CorpusLimits = CorpusLimits()) -> list[Chapter
         if item is None or item.get_type() != ebooklib.ITEM_DOCUMENT or isinstance(item, epub.EpubNav):
             continue
         where = f"{name}#{item.get_name()}"
-        html = remove_control_characters(decode_document(item.get_content(), where), where)
+        raw = item.content if isinstance(item.content, bytes) else item.get_content()  # as stored, not re-serialized
+        html = remove_control_characters(decode_document(raw, where), where)
         paragraphs, heading = html_to_paragraphs(html)
         if not paragraphs:
             continue  # cover images, empty nav pages

@@ -144,6 +144,7 @@ def submit_job(spec: JobSpec, settings: Settings, storage: Storage, queue: str |
     from voxbatch.jobstate import RedisJobStore
 
     data = spec_bytes(spec, settings)
+    storage.check()
     check_voice(storage, spec.voice)
     jobs = RedisJobStore.from_url(settings.broker_url)
     jobs.r.ping()

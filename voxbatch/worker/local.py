@@ -30,7 +30,7 @@ from voxbatch.storage import LocalStorage, Storage
 from voxbatch.worker.engine import Engine, SynthesisRequest, build_engine
 from voxbatch.worker.pipeline import Pipeline
 
-STOP_GRACE_S = 1.0  # after Ctrl-C, how long uploads may finish before the process leaves (threads are daemons)
+STOP_GRACE_S = 0.5  # after Ctrl-C, how long uploads may finish before the process leaves (threads are daemons)
 PROBE_TEXT = "Ready."
 PROBE_MAX_TOKENS = 25
 
