@@ -181,16 +181,16 @@ def test_a_few_control_characters_are_removed(tmp_path):
 def test_bad_names_are_refused_in_one_line(s3_env, tmp_path):
     book = corpora.write_txt(tmp_path / "book.txt")
     for args, names in [
-        (["submit", str(book), "--voice", "../x"], ["voice '../x'"]),
-        (["submit", str(book), "--voice", "[/bold]"], ["voice '[/bold]'"]),
+        (["submit", str(book), "--voice", "../x"], ["voice name '../x'"]),
+        (["submit", str(book), "--voice", "[/bold]"], ["voice name '[/bold]'"]),
         (["status", "[/bold]"], ["job id '[/bold]'"]),
         (["status", "../../etc"], ["job id '../../etc'"]),
         (["cancel", "a/b"], ["job id 'a/b'"]),
         (["retry", "a b"], ["job id 'a b'"]),
         (["fetch", "", "--out", str(tmp_path / "f")], ["job id ''"]),
         (["fetch", "/", "--out", str(tmp_path / "f")], ["job id '/'"]),
-        (["voice", "add", "../x", "--wav", "p.wav", "--text", "hi"], ["voice '../x'"]),
-        (["render", str(book), "--out", str(tmp_path / "r"), "--voice", "../x"], ["voice '../x'"]),
+        (["voice", "add", "../x", "--wav", "p.wav", "--text", "hi"], ["voice name '../x'"]),
+        (["render", str(book), "--out", str(tmp_path / "r"), "--voice", "../x"], ["voice name '../x'"]),
         (["status", "nosuchjob"], ["nosuchjob"]),
         (["cancel", "nosuchjob"], ["nosuchjob"]),
     ]:

@@ -383,7 +383,7 @@ def voice_add(name: str, wav: Path = typer.Option(..., help="prompt audio (≤ 3
 
     from voxbatch.keys import check_name
 
-    check_name("voice", name)
+    check_name("voice name", name)
     settings = _settings(model_dir=str(model_dir) if model_dir else None)
     if not settings.model_dir:
         _fail("voice add needs the model directory: --model-dir or VOXBATCH_MODEL_DIR")

@@ -30,7 +30,7 @@ def check_name(kind: str, name: str) -> str:
 
 
 def voice(name: str) -> str:
-    return f"voices/{check_name('voice', name)}.safetensors"
+    return f"voices/{check_name('voice name', name)}.safetensors"
 
 
 def job_spec(job_id: str) -> str:

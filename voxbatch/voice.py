@@ -50,7 +50,7 @@ class VoiceProfile:
 
     def __post_init__(self) -> None:
         try:
-            keys.check_name("voice", self.name)  # also a storage key component
+            keys.check_name("voice name", self.name)  # also a storage key component
         except keys.BadName as e:
             raise VoiceFormatError(str(e)) from None
         object.__setattr__(self, "prompt_speech_tokens", np.ascontiguousarray(self.prompt_speech_tokens, np.int32))

@@ -61,7 +61,7 @@ def plan_job(path: str | Path, voice: str, settings: Settings, *, name: str | No
     from voxbatch.producer.segment import segment_chapter
 
     path = Path(path)
-    keys.check_name("voice", voice)
+    keys.check_name("voice name", voice)
     chapters = read_corpus(path, CorpusLimits.from_settings(settings))
     if length_fn is None:
         length_fn = segment_length_fn(settings, voice, engine)
