@@ -2,32 +2,29 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
+from tests import fixture_facts
 from voxbatch import testing_services as services
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def fixtures_root() -> Path:
-    return Path(os.environ.get("VOXBATCH_FIXTURES", REPO.parent / "shared" / "fixtures"))
-
-
-def tiny_fixture_path() -> Path:
-    """Where the tiny official-format checkpoint is expected (it may be absent: tests then skip)."""
-    return fixtures_root() / "cosyvoice2-tiny"
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
-    """The official-format tiny CosyVoice2 checkpoint with reference outputs (../shared/fixtures)."""
-    path = tiny_fixture_path()
-    if not (path / "reference.npz").is_file():
-        pytest.skip(f"fixture folder {path} is absent (set VOXBATCH_FIXTURES to the shared fixtures)")
-    return path
+    """The official-format CosyVoice2 fixture with reference outputs (tests/fixture_facts.py says where).
+
+    Absent: the tests that need it skip locally and fail under CI=true, as a missing service does."""
+    try:
+        return fixture_facts.fixture_path()
+    except fixture_facts.FixtureNotFound as e:
+        services.missing(f"the CosyVoice2 fixture ({e})")
+
+
+@pytest.fixture(scope="session")
+def tiny_facts(tiny_model_dir) -> fixture_facts.FixtureFacts:
+    """Dimensions, vocabulary, seeds and texts of that fixture, read from its own files."""
+    return fixture_facts.facts()
 
 
 @pytest.fixture(scope="session")

@@ -64,3 +64,48 @@ def long_book(path: Path, chapters: int = 3, sentences: int = 120) -> Path:
         parts.append(f"Chapter {c}\n\n{body}\n")
     path.write_text("\n".join(parts), encoding="utf-8")
     return path
+
+
+# A podcast script: a narrator (the job's --voice) and two cast members, one name not in the cast.
+PODCAST = """# Episode One
+
+Welcome to the show. Today two guests talk about the harbour.
+
+Alice: Hello everyone, I am Alice. The boats came in early this morning.
+
+Bob: And I am Bob. I counted twelve crates of herring on the pier.
+
+Mallory: this line names nobody in the cast, so the narrator reads it as written.
+
+Alice: Thank you, Bob. That is all for today.
+"""
+PODCAST_CAST = {"Alice": "tone:alice", "Bob": "tone:bob"}
+
+
+def write_podcast(path: Path) -> Path:
+    path.write_text(PODCAST, encoding="utf-8")
+    return path
+
+
+def write_items(path: Path, n: int) -> Path:
+    """A .jsonl line-item batch of `n` short prompts, ids item-00000..; every 10th with its own voice."""
+    import json
+
+    from voxbatch.producer.normalize import number_to_words
+
+    # Numbers written as words: text normalization has nothing to do (a catalog of this size is then
+    # segmented in a fraction of a second instead of ~15 ms per item through wetext).
+    rows = [{"id": f"item-{i:05d}", "text": f"Prompt {number_to_words(i)}: press the star key to continue."}
+            for i in range(n)]
+    for row in rows[::10]:
+        row["voice"] = "tone:ivr"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def edit_one_paragraph(chapters=CHAPTERS):
+    """The 3-chapter book with one paragraph of chapter 2 changed; returns (chapters, the new paragraph)."""
+    edited = "A child asked for a pear. Her father paid three coins and they walked on toward the bridge."
+    out = [(t, list(p)) for t, p in chapters]
+    out[1][1][1] = edited
+    return out, edited

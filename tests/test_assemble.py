@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from voxbatch.producer import assemble as asm
-from voxbatch.producer.subtitles import LINE_WIDTH, samples_to_ms, srt_time, vtt_time, wrap
+from voxbatch.producer.subtitles import LINE_WIDTH, display_width, samples_to_ms, srt_time, vtt_time, wrap
 from voxbatch import audio, keys
 from voxbatch.models import JobSpec, Segment
 from voxbatch.settings import Settings
@@ -193,8 +193,16 @@ def test_subtitle_formatting_details():
     assert wrap("word " * 9) == ["word word word word word", "word word word word"]
     lines = wrap("word " * 30)
     assert len(lines) == 4 and all(len(x) <= LINE_WIDTH for x in lines) and len(lines[-1]) >= 20
-    cjk = wrap("一" * 100)  # no spaces: broken by width, still balanced
-    assert "".join(cjk) == "一" * 100 and [len(x) for x in cjk] == [34, 34, 32]
+    cjk = wrap("一" * 100)  # no spaces: broken by display width (2 columns a character), still balanced
+    assert "".join(cjk) == "一" * 100 and [len(x) for x in cjk] == [20, 20, 20, 20, 20]
+    # Issue 14: a 43-character Chinese cue was one line; now lines fit 42 columns, punctuation never opens one.
+    cue = "午后，风暴来了。雨点敲打着屋顶，街道在几分钟内就空了。雨停以后，全镇的人都出来看海。"
+    lines = wrap(cue)
+    assert "".join(lines) == cue and len(lines) == 2
+    assert all(display_width(x) <= LINE_WIDTH for x in lines)
+    assert not any(x[0] in "，。" for x in lines)
+    mixed = wrap("我用 iPhone 15 Pro Max 拍了很多张照片，然后发给了远方的朋友们看看。")
+    assert all(display_width(x) <= LINE_WIDTH for x in mixed) and "iPhone" in "".join(mixed)
     assert wrap("two\n\nparagraphs") == ["two paragraphs"]  # no blank line inside a cue
 
 
@@ -250,7 +258,11 @@ def test_each_format_round_trips_and_assembles(storage, settings, fmt):
     y, sr = audio.decode(data)
     info = audio.probe(data)
     assert sr == SR and y.dtype == np.float32
-    assert len(y) == len(x) == info.frames  # exact length, lossy codecs included
+    if fmt == "m4a":  # AAC decodes with its last frame's padding (voxbatch/audio.py)
+        assert len(x) <= len(y) == info.frames < len(x) + 1024 + 1024
+        y = y[: len(x)]
+    else:
+        assert len(y) == len(x) == info.frames  # exact length, lossy codecs included
     if fmt in ("wav", "flac"):
         np.testing.assert_allclose(y, x, atol=1 / 32768 + 1e-7)  # PCM_16 quantization
     else:
@@ -262,7 +274,11 @@ def test_each_format_round_trips_and_assembles(storage, settings, fmt):
     spec = make_job(storage, fmt)
     manifest = asm.assemble_job(storage, spec, {}, SR, settings)
     for ch, lengths in enumerate(LENGTHS):
-        assert audio.probe(storage.get(manifest.chapters[ch].key)).frames == chapter_length(lengths)
+        frames = audio.probe(storage.get(manifest.chapters[ch].key)).frames
+        if fmt == "m4a":  # every segment and the chapter carry up to one AAC frame of padding
+            assert chapter_length(lengths) <= frames <= chapter_length(lengths) + 1024 * (len(lengths) + 2)
+        else:
+            assert frames == chapter_length(lengths)
         assert manifest.chapters[ch].key.endswith(f".{fmt}")
 
 
@@ -272,8 +288,8 @@ def test_opus_names_the_problem_for_rates_it_cannot_take():
             audio.encode(tone(100, 440), SR, "opus")
     with pytest.raises(audio.AudioFormatError, match="opus.*22050"):
         audio.encode(tone(100, 440, 22050), 22050, "opus")
-    with pytest.raises(audio.AudioFormatError, match="mp3"):
-        audio.encode(tone(100, 440), SR, "mp3")
+    with pytest.raises(audio.AudioFormatError, match="aiff"):
+        audio.encode(tone(100, 440), SR, "aiff")
 
 
 # --- the .m4b book ----------------------------------------------------------------------------

@@ -12,7 +12,6 @@ References come from `cosyvoice2-tiny/reference.npz` (official code, fp32 CPU, 1
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -20,7 +19,6 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import tiny_fixture_path
 from voxbatch.worker.cosyvoice2.checkpoint import ModelDirError
 from voxbatch.worker.cosyvoice2.llm import CosyVoice2LM, LlmDims
 from voxbatch.worker.cosyvoice2.llm_backend import LlmRequest
@@ -29,10 +27,7 @@ from voxbatch.worker.cosyvoice2.tokenizer import CosyVoice2Tokenizer
 from voxbatch.worker.cosyvoice2.torch_backend import TorchLlmBackend
 
 LOGP_ATOL = 1e-4
-
-
-FIXTURE = tiny_fixture_path()
-pytestmark = pytest.mark.skipif(not (FIXTURE / "reference.npz").is_file(), reason=f"fixture not found at {FIXTURE} (set VOXBATCH_FIXTURES)")
+MIXED_MAX_TOKENS = 50  # the longest of `_mixed_requests`
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -50,20 +45,26 @@ def ref(tiny_reference) -> dict[str, np.ndarray]:
 
 
 @pytest.fixture(scope="module")
-def meta() -> dict:
-    return json.loads((FIXTURE / "reference_meta.json").read_text())
+def meta(tiny_facts) -> dict:
+    return tiny_facts.meta
 
 
 @pytest.fixture(scope="module")
-def model() -> CosyVoice2LM:
-    m = CosyVoice2LM.from_model_dir(FIXTURE)
-    m.setup_cache(batch_max=4, seq_max=256)
+def seq_max(ref) -> int:
+    """Cache length for the fixture's prompt plus the longest sequence these tests decode."""
+    return ref["llm_lm_input"].shape[1] + max(len(ref["llm_forced_speech_token"]), len(ref["llm_greedy_tokens"]), MIXED_MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir, seq_max) -> CosyVoice2LM:
+    m = CosyVoice2LM.from_model_dir(tiny_model_dir)
+    m.setup_cache(batch_max=4, seq_max=seq_max)
     return m
 
 
 @pytest.fixture(scope="module")
-def backend() -> TorchLlmBackend:
-    return TorchLlmBackend.from_model_dir(FIXTURE, max_batch=4, max_seq=256)
+def backend(tiny_model_dir, seq_max) -> TorchLlmBackend:
+    return TorchLlmBackend.from_model_dir(tiny_model_dir, max_batch=4, max_seq=seq_max)
 
 
 def _llm_prompt(ref) -> tuple[list[int], list[int]]:
@@ -81,43 +82,46 @@ def _assert_logp_close(got: torch.Tensor, want: np.ndarray) -> None:
 # -- dimensions and loading ------------------------------------------------------------------------
 
 
-def test_dims_come_from_config_and_yaml(meta):
-    d = LlmDims.from_model_dir(FIXTURE)
-    assert (d.hidden, d.intermediate, d.n_layers, d.n_heads, d.n_kv_heads, d.head_dim) == (128, 256, 2, 4, 2, 32)
-    assert d.rope_theta == 1e6 and d.speech_token_size == 300
-    assert list(d.stop_ids) == meta["llm"]["stop_ids"] and d.eos_id == meta["llm"]["eos_id"]
-    assert RasConfig.from_model_dir(FIXTURE) == RasConfig(top_p=0.8, top_k=25, win_size=10, tau_r=0.1)
+def test_dims_come_from_config_and_yaml(tiny_model_dir, tiny_facts):
+    d = LlmDims.from_model_dir(tiny_model_dir)
+    q = tiny_facts.qwen
+    assert (d.hidden, d.intermediate, d.n_layers, d.n_heads, d.n_kv_heads) == (
+        q["hidden_size"], q["intermediate_size"], q["num_hidden_layers"], q["num_attention_heads"], q["num_key_value_heads"])
+    assert d.head_dim == q.get("head_dim", q["hidden_size"] // q["num_attention_heads"])
+    assert d.rope_theta == q["rope_theta"] and d.speech_token_size == tiny_facts.speech_token_size
+    assert list(d.stop_ids) == tiny_facts.stop_ids and d.eos_id == tiny_facts.eos_id
+    assert RasConfig.from_model_dir(tiny_model_dir) == RasConfig(**tiny_facts.ras)
 
 
-def _model_dir_with(tmp_path: Path, state: dict[str, torch.Tensor]) -> Path:
+def _model_dir_with(tiny_model_dir: Path, tmp_path: Path, state: dict[str, torch.Tensor]) -> Path:
     (tmp_path / "CosyVoice-BlankEN").mkdir()
-    shutil.copy(FIXTURE / "CosyVoice-BlankEN" / "config.json", tmp_path / "CosyVoice-BlankEN" / "config.json")
-    shutil.copy(FIXTURE / "cosyvoice2.yaml", tmp_path / "cosyvoice2.yaml")
+    shutil.copy(tiny_model_dir / "CosyVoice-BlankEN" / "config.json", tmp_path / "CosyVoice-BlankEN" / "config.json")
+    shutil.copy(tiny_model_dir / "cosyvoice2.yaml", tmp_path / "cosyvoice2.yaml")
     torch.save(state, tmp_path / "llm.pt")
     return tmp_path
 
 
-def test_strict_keys_error_names_the_file(tmp_path):
-    state = torch.load(FIXTURE / "llm.pt", weights_only=True)
+def test_strict_keys_error_names_the_file(tiny_model_dir, tmp_path):
+    state = torch.load(tiny_model_dir / "llm.pt", weights_only=True)
     del state["llm_decoder.bias"]
     state["llm.extra.weight"] = torch.zeros(1)
-    model_dir = _model_dir_with(tmp_path, state)
+    model_dir = _model_dir_with(tiny_model_dir, tmp_path, state)
     with pytest.raises(ModelDirError, match=r"llm\.pt.*llm_decoder\.bias") as info:
         CosyVoice2LM.from_model_dir(model_dir)
     assert "llm.extra.weight" in str(info.value)
 
 
-def test_shape_mismatch_error_names_the_file(tmp_path):
-    state = torch.load(FIXTURE / "llm.pt", weights_only=True)
-    state["speech_embedding.weight"] = torch.zeros(10, 128)
+def test_shape_mismatch_error_names_the_file(tiny_model_dir, tiny_facts, tmp_path):
+    state = torch.load(tiny_model_dir / "llm.pt", weights_only=True)
+    state["speech_embedding.weight"] = torch.zeros(tiny_facts.llm_vocab + 1, tiny_facts.qwen["hidden_size"])
     with pytest.raises(ModelDirError, match=r"llm\.pt: speech_embedding\.weight has shape"):
-        CosyVoice2LM.from_model_dir(_model_dir_with(tmp_path, state))
+        CosyVoice2LM.from_model_dir(_model_dir_with(tiny_model_dir, tmp_path, state))
 
 
-def test_weights_come_from_llm_pt_not_the_decoy(model):
+def test_weights_come_from_llm_pt_not_the_decoy(tiny_model_dir, model):
     from safetensors.torch import load_file
 
-    decoy = load_file(str(FIXTURE / "CosyVoice-BlankEN" / "model.safetensors"))
+    decoy = load_file(str(tiny_model_dir / "CosyVoice-BlankEN" / "model.safetensors"))
     ours = model.body.embed_tokens.weight
     assert not any(t.shape == ours.shape and torch.allclose(t.float(), ours, atol=1e-2) for t in decoy.values())
 
@@ -127,7 +131,7 @@ def test_weights_come_from_llm_pt_not_the_decoy(model):
 
 def test_lm_input_matches_reference(model, ref):
     embeds, lengths = model.embed_batch([_llm_prompt(ref)])
-    assert lengths.tolist() == [47]
+    assert lengths.tolist() == [ref["llm_lm_input"].shape[1]]
     assert torch.equal(embeds, torch.from_numpy(ref["llm_lm_input"]))
 
 
@@ -177,7 +181,7 @@ def test_greedy_tokens_and_logp(model, ref, meta):
     embeds, lengths = model.embed_batch([_llm_prompt(ref)])
     L = embeds.shape[1]
     logp, tokens, scores = model.prefill(embeds, lengths), [], []
-    for i in range(40):
+    for i in range(len(ref["llm_greedy_tokens"])):
         masked = mask_eos(logp, torch.tensor([i]), torch.tensor([min_len]), model.dims.eos_id)
         scores.append(masked)
         tokens.append(int(masked.argmax(-1)))
@@ -188,18 +192,18 @@ def test_greedy_tokens_and_logp(model, ref, meta):
 
 def test_backend_greedy_tokens(backend, ref, meta):
     text, speech = _llm_prompt(ref)
-    req = LlmRequest(text, speech, min_tokens=meta["llm"]["min_len"], max_tokens=40, seed=0, greedy=True)
+    req = LlmRequest(text, speech, min_tokens=meta["llm"]["min_len"], max_tokens=len(ref["llm_greedy_tokens"]), seed=0, greedy=True)
     (result,) = list(backend.generate([req]))
     assert result.index == 0 and result.tokens == ref["llm_greedy_tokens"].tolist()
 
 
-def test_official_rng_replay_of_e2e_tokens(model, ref, meta):
+def test_official_rng_replay_of_e2e_tokens(tiny_model_dir, model, ref, meta):
     """Bonus: torch.manual_seed + the official multinomial order reproduce e2e_speech_token exactly."""
     e2e = meta["e2e"]
     text = ref["e2e_prompt_text_token"][0].tolist() + ref["e2e_text_token"][0].tolist()
-    sampler = OfficialRas(RasConfig.from_model_dir(FIXTURE))
-    m = CosyVoice2LM.from_model_dir(FIXTURE)
-    m.setup_cache(batch_max=1, seq_max=1024)
+    sampler = OfficialRas(RasConfig.from_model_dir(tiny_model_dir))
+    m = CosyVoice2LM.from_model_dir(tiny_model_dir)
+    m.setup_cache(batch_max=1, seq_max=ref["e2e_lm_input"].shape[1] + e2e["max_len"])
     with torch.inference_mode():
         embeds, lengths = m.embed_batch([(text, ref["e2e_prompt_speech_token"][0].tolist())])
         L, out = embeds.shape[1], []
@@ -223,12 +227,12 @@ def _mixed_requests(ref, greedy: bool) -> list[LlmRequest]:
     return [
         LlmRequest(text, speech, min_tokens=24, max_tokens=40, seed=11, greedy=greedy),
         LlmRequest(text[:5], [], min_tokens=3, max_tokens=30, seed=12, greedy=greedy),
-        LlmRequest(text[3:], speech[:7], min_tokens=10, max_tokens=50, seed=13, greedy=greedy),
+        LlmRequest(text[3:], speech[:7], min_tokens=10, max_tokens=MIXED_MAX_TOKENS, seed=13, greedy=greedy),
     ]
 
 
 @pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "ras"])
-def test_batched_equals_single(backend, ref, greedy):
+def test_batched_equals_single(backend, ref, tiny_facts, greedy):
     """Greedy: batching must not change tokens. RAS: a segment's seed alone decides its tokens."""
     reqs = _mixed_requests(ref, greedy)
     batched = {r.index: r.tokens for r in backend.generate(reqs)}
@@ -237,19 +241,19 @@ def test_batched_equals_single(backend, ref, greedy):
     assert [batched[i] for i in range(3)] == single
     assert len({len(t) for t in single}) > 1, "requests should stop at different lengths"
     for q, toks in zip(reqs, single):
-        assert len(toks) <= q.max_tokens and all(0 <= t < 300 for t in toks)
+        assert len(toks) <= q.max_tokens and all(0 <= t < tiny_facts.speech_token_size for t in toks)
 
 
-def test_padded_batch_rows_change_nothing(backend, ref):
+def test_padded_batch_rows_change_nothing(tiny_model_dir, backend, ref, seq_max):
     """Waves padded to a power of two (as compiled GPU decoding does) give the same tokens."""
-    padded = TorchLlmBackend(CosyVoice2LM.from_model_dir(FIXTURE), max_batch=4, max_seq=256, bucket_batches=True)
+    padded = TorchLlmBackend(CosyVoice2LM.from_model_dir(tiny_model_dir), max_batch=4, max_seq=seq_max, bucket_batches=True)
     reqs = _mixed_requests(ref, greedy=False)  # 3 requests -> 4 rows
     assert {r.index: r.tokens for r in padded.generate(reqs)} == {r.index: r.tokens for r in backend.generate(reqs)}
 
 
-def test_continuous_batching_refills_freed_rows(backend, ref):
+def test_continuous_batching_refills_freed_rows(tiny_model_dir, backend, ref, seq_max):
     """6 requests through 2 rows: each freed row takes the next request; tokens as if decoded alone."""
-    two_rows = TorchLlmBackend(CosyVoice2LM.from_model_dir(FIXTURE), max_batch=2, max_seq=256, sync_every=4)
+    two_rows = TorchLlmBackend(CosyVoice2LM.from_model_dir(tiny_model_dir), max_batch=2, max_seq=seq_max, sync_every=4)
     reqs = _mixed_requests(ref, greedy=False) + _mixed_requests(ref, greedy=True)
     reqs = [LlmRequest(**{**q.__dict__, "seed": 50 + i}) for i, q in enumerate(reqs)]
     got = {r.index: r.tokens for r in two_rows.generate(reqs)}
@@ -266,12 +270,12 @@ def test_ras_seed_changes_tokens_and_order_does_not(backend, ref):
     assert next(iter(backend.generate([reseeded]))).tokens != first[0]
 
 
-def test_max_tokens_and_validation(backend, ref):
+def test_max_tokens_and_validation(backend, ref, seq_max):
     text, speech = _llm_prompt(ref)
     (r,) = list(backend.generate([LlmRequest(text, speech, min_tokens=5, max_tokens=5, seed=1)]))
     assert len(r.tokens) == 5  # eos masked for all 5 steps, so the cap stops it
     with pytest.raises(ValueError, match="request 0: prompt"):
-        list(backend.generate([LlmRequest(text, speech, min_tokens=0, max_tokens=1000, seed=1)]))
+        list(backend.generate([LlmRequest(text, speech, min_tokens=0, max_tokens=seq_max + 1, seed=1)]))
 
 
 # -- the sampler -----------------------------------------------------------------------------------
@@ -309,8 +313,8 @@ def test_ras_sample_matches_its_closed_form():
 
 
 @pytest.mark.parametrize("layout", ["tokenizer.json", "vocab+merges"])
-def test_tokenizer_encode_tests(meta, tmp_path, layout):
-    folder = FIXTURE / "CosyVoice-BlankEN"
+def test_tokenizer_encode_tests(tiny_model_dir, meta, tmp_path, layout):
+    folder = tiny_model_dir / "CosyVoice-BlankEN"
     if layout == "vocab+merges":
         for name in ("vocab.json", "merges.txt", "tokenizer_config.json"):
             shutil.copy(folder / name, tmp_path / name)
@@ -323,7 +327,7 @@ def test_tokenizer_encode_tests(meta, tmp_path, layout):
     assert tok.token_length(meta["tokenizer"]["encode_tests"][0]["text"]) == len(meta["tokenizer"]["encode_tests"][0]["ids"])
 
 
-def test_tokenizer_reproduces_e2e_text_tokens(ref, meta):
-    tok = CosyVoice2Tokenizer.from_model_dir(FIXTURE)
+def test_tokenizer_reproduces_e2e_text_tokens(tiny_model_dir, ref, meta):
+    tok = CosyVoice2Tokenizer.from_model_dir(tiny_model_dir)
     assert tok.encode(meta["e2e"]["normalized_text_segments"][0]) == ref["e2e_text_token"][0].tolist()
     assert tok.encode(meta["e2e"]["prompt_text_normalized"]) == ref["e2e_prompt_text_token"][0].tolist()

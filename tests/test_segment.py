@@ -208,7 +208,7 @@ def test_wetext_works_offline():
     """wetext 0.1.8 ships its FST grammars in the wheel: no download is needed."""
     pytest.importorskip("wetext")
     assert wetext_available()
-    assert normalize_text("It was 3:30 pm on Jan. 5, 2024.", "en") == "It was three thirty PM on the fifth of january, twenty twenty four."
+    assert normalize_text("It was 3:30 pm on Jan. 5, 2024.", "en") == "It was three thirty PM on the fifth of January, twenty twenty four."
     assert normalize_text("今天是2024年3月5日。", "zh") == "今天是二零二四年三月五日。"
 
 
@@ -227,6 +227,45 @@ def test_engine_tokenizer_plugs_in_as_length_function(tiny_model_dir):
     assert all(n <= max(80, 60 + longest) for n in lengths[:-1]), lengths
     assert lengths[-1] < max(80, 60 + longest) + 20
     assert sum(lengths) / len(lengths) > 60  # packed up to the target, not cut short
+
+
+# Regression cases from issue 14 (each as a user met it), with wetext and with the built-in rules.
+CLOCK_CASES = [
+    # a.m./p.m. closing a sentence keeps the sentence break (it was lost: "five PM The rain")
+    ("We met at 5 p.m. The rain had stopped.", "We met at five PM. The rain had stopped."),
+    ("It was 7:30 a.m. Nobody came.", "It was seven thirty AM. Nobody came."),
+    ("The train left at 7:05 a.m.", "The train left at seven oh five AM."),
+    # "a.m.," leaves no stray period (it read "AM., then")
+    ("Call at 9 a.m., then leave.", "Call at nine AM, then leave."),
+    ("See you at 6 p.m.!", "See you at six PM!"),
+    # mid-sentence, other spellings
+    ("Meet me at 10:00 P.M. tomorrow.", "Meet me at ten PM tomorrow."),
+    ("At 11 am the bell rang.", "At eleven AM the bell rang."),
+]
+
+
+@pytest.mark.parametrize("use_wetext", [True, False])
+@pytest.mark.parametrize("text, spoken", CLOCK_CASES)
+def test_clock_times_keep_sentence_breaks_and_no_stray_dots(text, spoken, use_wetext):
+    out = normalize_text(text, "en", use_wetext=use_wetext)
+    assert out == spoken
+    assert len(split_sentences(out, "en")) == len(split_sentences(spoken, "en"))
+
+
+MONTH_CASES = [
+    ("On January 5, 2021 we left.", "On the fifth of January, twenty twenty one we left."),
+    ("The date was 12 Dec. 2020.", "The date was the twelfth of December twenty twenty."),
+    ("Born on 3 March 1990, she grew up.", "Born on the third of March nineteen ninety she grew up."),
+    # a month word the text also uses in lower case is capitalised only in the date
+    ("They march on 3 March 2020.", "They march on the third of March twenty twenty."),
+    ("It may rain on the 4th of May.", "It may rain on the fourth of May."),
+]
+
+
+@pytest.mark.parametrize("text, spoken", MONTH_CASES)
+def test_dates_keep_capitalised_month_names(text, spoken):
+    pytest.importorskip("wetext")
+    assert normalize_text(text, "en") == spoken
 
 
 def test_text_with_special_tokens_is_left_as_written():

@@ -22,15 +22,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import tiny_fixture_path
 from voxbatch.worker.cosyvoice2.llm_backend import LlmRequest
 from voxbatch.worker.cosyvoice2.vllm_export import ARCHITECTURE, FOLDER_NAME, STAMP_FILE, export_for_vllm
 
 pytestmark = pytest.mark.vllm
-
-
-FIXTURE = tiny_fixture_path()
-needs_fixture = pytest.mark.skipif(not (FIXTURE / "reference.npz").is_file(), reason=f"fixture not found at {FIXTURE} (set VOXBATCH_FIXTURES)")
 
 
 def _vllm_or_skip() -> None:
@@ -48,43 +43,44 @@ def ref(tiny_reference) -> dict[str, np.ndarray]:
 
 
 @pytest.fixture(scope="module")
-def min_len() -> int:
-    return int(json.loads((FIXTURE / "reference_meta.json").read_text())["llm"]["min_len"])
+def min_len(tiny_facts) -> int:
+    return int(tiny_facts.meta["llm"]["min_len"])
 
 
 # -- export ----------------------------------------------------------------------------------------
 
 
-@needs_fixture
-def test_export_folder_layout_and_weights(tmp_path):
-    folder = export_for_vllm(FIXTURE, tmp_path / "cache")
+def test_export_folder_layout_and_weights(tiny_model_dir, tiny_facts, tmp_path):
+    folder = export_for_vllm(tiny_model_dir, tmp_path / "cache")
     cfg = json.loads((folder / "config.json").read_text())
     assert cfg["architectures"] == [ARCHITECTURE]
-    assert cfg["vocab_size"] == 303 and cfg["tie_word_embeddings"] is False
-    assert cfg["hidden_size"] == 128 and cfg["num_hidden_layers"] == 2
+    assert cfg["vocab_size"] == tiny_facts.llm_vocab and cfg["tie_word_embeddings"] is False
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "rope_theta"):
+        assert cfg[key] == tiny_facts.qwen[key], key
     got = load_file(folder / "model.safetensors")
-    sd = torch.load(FIXTURE / "llm.pt", map_location="cpu", weights_only=True)
+    sd = torch.load(tiny_model_dir / "llm.pt", map_location="cpu", weights_only=True)
     assert torch.equal(got["model.embed_tokens.weight"], sd["speech_embedding.weight"])
     assert torch.equal(got["lm_head.weight"], sd["llm_decoder.weight"])
     assert torch.equal(got["lm_head.bias"], sd["llm_decoder.bias"])
-    assert torch.equal(got["model.layers.1.self_attn.q_proj.bias"], sd["llm.model.model.layers.1.self_attn.q_proj.bias"])
+    last = tiny_facts.qwen["num_hidden_layers"] - 1
+    assert torch.equal(got[f"model.layers.{last}.self_attn.q_proj.bias"], sd[f"llm.model.model.layers.{last}.self_attn.q_proj.bias"])
     assert torch.equal(got["model.norm.weight"], sd["llm.model.model.norm.weight"])
     body = [k for k in sd if k.startswith("llm.model.model.") and "embed_tokens" not in k]
     assert len(got) == len(body) + 3  # body + speech embedding + head weight and bias
 
 
-def _model_copy(tmp_path: Path) -> Path:
-    """A writable copy of the fixture's LLM files (the shared fixture is read-only)."""
+def _model_copy(tiny_model_dir: Path, tmp_path: Path) -> Path:
+    """A writable copy of the fixture's LLM files, whatever the fixture's own permissions."""
     model = tmp_path / "model"
-    shutil.copytree(FIXTURE, model, ignore=shutil.ignore_patterns("*.npz", "flow.pt", "hift.pt", "*.wav", "*.onnx"))
-    model.chmod(0o755)
+    shutil.copytree(tiny_model_dir, model, ignore=shutil.ignore_patterns("*.npz", "flow.pt", "hift.pt", "*.wav", "*.onnx"))
+    for path in [model, *model.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
     return model
 
 
-@needs_fixture
-def test_export_is_reused_and_redone_when_llm_pt_changes(tmp_path, monkeypatch):
+def test_export_is_reused_and_redone_when_llm_pt_changes(tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    model = _model_copy(tmp_path)
+    model = _model_copy(tiny_model_dir, tmp_path)
     first = export_for_vllm(model)
     assert first == model / FOLDER_NAME
     written = (first / "model.safetensors").stat().st_mtime_ns
@@ -96,9 +92,10 @@ def test_export_is_reused_and_redone_when_llm_pt_changes(tmp_path, monkeypatch):
     assert not [p for p in model.iterdir() if p.name.startswith(".")]  # no temp dirs left behind
 
 
-@needs_fixture
-def test_export_goes_to_home_cache_when_model_dir_is_read_only(tmp_path, monkeypatch):
-    model = _model_copy(tmp_path)
+def test_export_goes_to_home_cache_when_model_dir_is_read_only(tiny_model_dir, tmp_path, monkeypatch):
+    """A copy made read-only here (not the fixture's own permissions). Root may write anywhere, so
+    the export reads the folder's write bits too: this holds for root and for other users."""
+    model = _model_copy(tiny_model_dir, tmp_path)
     model.chmod(0o555)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     try:
@@ -143,15 +140,16 @@ def _official_two_step_exact(logits: torch.Tensor, decoded: list[int], top_p: fl
 
 
 def _ras_case(ref) -> tuple[torch.Tensor, list[int]]:
-    """Real logits of the fixture (greedy step 30) and a window holding some of its top tokens."""
-    logits = torch.from_numpy(ref["llm_greedy_logp_unmasked"][30]).float()
+    """Real logits of the fixture (three quarters into its greedy run) and a window holding some of its top tokens."""
+    steps = ref["llm_greedy_logp_unmasked"]
+    logits = torch.from_numpy(steps[3 * len(steps) // 4]).float()
     top = logits.argsort(descending=True).tolist()
     decoded = [top[1], 5, top[0], top[2], 7, top[0], top[4], 9, 11, 12, 13, top[3]]  # top[1] falls outside the last 10
     return logits, decoded
 
 
-@needs_fixture
-def test_ras_closed_form_equals_official_enumeration(ref):
+def test_ras_closed_form_equals_official_enumeration(ref, tiny_facts):
+    eos = tiny_facts.eos_id
     _vllm_or_skip()
     from voxbatch.worker.cosyvoice2.ras import RasParams, ras_logits
 
@@ -161,7 +159,7 @@ def test_ras_closed_form_equals_official_enumeration(ref):
         assert redrawn > 0  # repeated nucleus tokens present: the redraw path is exercised
         recent = decoded[-win:]
         window = torch.tensor([recent + [-1] * (10 - len(recent))])
-        thr = RasParams(eos_id=300, min_tokens=0, win_size=win, tau_r=tau).rep_threshold
+        thr = RasParams(eos_id=eos, min_tokens=0, win_size=win, tau_r=tau).rep_threshold
         out = ras_logits(
             logits[None],
             window,
@@ -170,16 +168,16 @@ def test_ras_closed_form_equals_official_enumeration(ref):
             torch.tensor([float(thr)]),
             torch.tensor([False]),
             torch.tensor([False]),
-            eos_id=300,
+            eos_id=eos,
         )
         got = out[0].double().exp().numpy()
         assert got.sum() == pytest.approx(1.0, abs=1e-5)
         np.testing.assert_allclose(got, expected, atol=1e-6)
 
 
-@needs_fixture
-def test_ras_closed_form_matches_two_step_monte_carlo(ref):
+def test_ras_closed_form_matches_two_step_monte_carlo(ref, tiny_facts):
     """200k draws of the two-step sampler vs the processor's distribution: TV < 0.01."""
+    eos = tiny_facts.eos_id
     _vllm_or_skip()
     from voxbatch.worker.cosyvoice2.ras import ras_logits
     from voxbatch.worker.cosyvoice2.sampling import ras_sample
@@ -187,7 +185,7 @@ def test_ras_closed_form_matches_two_step_monte_carlo(ref):
     logits, decoded = _ras_case(ref)
     recent = torch.tensor(decoded[-10:])
     P = ras_logits(
-        logits[None], recent[None], torch.tensor([0.8]), torch.tensor([25]), torch.tensor([1.0]), torch.tensor([False]), torch.tensor([False]), 300
+        logits[None], recent[None], torch.tensor([0.8]), torch.tensor([25]), torch.tensor([1.0]), torch.tensor([False]), torch.tensor([False]), eos
     )[0].exp()
     repeated_top = [t for t in logits.argsort(descending=True)[:5].tolist() if t in decoded[-10:]]
     assert repeated_top, "the case must put nucleus tokens in the window"
@@ -206,9 +204,9 @@ def test_ras_closed_form_matches_two_step_monte_carlo(ref):
         assert P[t] < torch.softmax(logits, -1)[t] * 1.0001
 
 
-@needs_fixture
-def test_logits_processor_tracks_batch_and_masks_eos(ref):
+def test_logits_processor_tracks_batch_and_masks_eos(ref, tiny_facts):
     """The V1 processor: per-row windows from the live output lists, eos mask before min_tokens."""
+    eos = tiny_facts.eos_id
     _vllm_or_skip()
     from vllm import SamplingParams
     from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
@@ -218,8 +216,8 @@ def test_logits_processor_tracks_batch_and_masks_eos(ref):
     logits, decoded = _ras_case(ref)
     proc = RasLogitsProcessor(None, torch.device("cpu"), False)
     outs_a, outs_b = list(decoded), [1, 2]
-    sp_a = SamplingParams(extra_args=ras_extra_args(RasParams(eos_id=300, min_tokens=5)))
-    sp_b = SamplingParams(extra_args=ras_extra_args(RasParams(eos_id=300, min_tokens=5, greedy=True)))
+    sp_a = SamplingParams(extra_args=ras_extra_args(RasParams(eos_id=eos, min_tokens=5)))
+    sp_b = SamplingParams(extra_args=ras_extra_args(RasParams(eos_id=eos, min_tokens=5, greedy=True)))
     plain = SamplingParams()
     proc.update_state(BatchUpdate(batch_size=3, removed=[], added=[(0, sp_a, None, outs_a), (1, sp_b, None, outs_b), (2, plain, None, [])], moved=[]))
     proc.update_state(BatchUpdate(batch_size=3, removed=[], added=[], moved=[(0, 2, MoveDirectionality.SWAP)]))
@@ -227,13 +225,13 @@ def test_logits_processor_tracks_batch_and_masks_eos(ref):
     out = proc.apply(batch)
     torch.testing.assert_close(out[0], logits)  # the plain request is untouched (now row 0)
     expected_b = logits.clone()
-    expected_b[300] = float("-inf")  # greedy row: eos masked (2 decoded < 5), nothing else changed
+    expected_b[eos] = float("-inf")  # greedy row: eos masked (2 decoded < 5), nothing else changed
     torch.testing.assert_close(out[1], expected_b)
-    expected_a = ras_logits(logits[None], torch.tensor([decoded[-10:]]), torch.tensor([0.8]), torch.tensor([25]), torch.tensor([1.0]), torch.tensor([False]), torch.tensor([False]), 300)[0]
+    expected_a = ras_logits(logits[None], torch.tensor([decoded[-10:]]), torch.tensor([0.8]), torch.tensor([25]), torch.tensor([1.0]), torch.tensor([False]), torch.tensor([False]), eos)[0]
     torch.testing.assert_close(out[2], expected_a)
-    assert out[2][300] > float("-inf")  # 12 decoded >= min_tokens: eos allowed again
+    assert out[2][eos] > float("-inf")  # 12 decoded >= min_tokens: eos allowed again
     outs_b.extend([3, 4, 5])  # the live list grows: the mask lifts at 5 decoded tokens
-    assert proc.apply(logits.expand(3, -1).clone())[1][300] == logits[300]
+    assert proc.apply(logits.expand(3, -1).clone())[1][eos] == logits[eos]
     proc.update_state(BatchUpdate(batch_size=2, removed=[2], added=[], moved=[]))
     assert set(proc.rows) == {1}
 
@@ -242,13 +240,13 @@ def test_logits_processor_tracks_batch_and_masks_eos(ref):
 
 
 @pytest.fixture(scope="module")
-def backend(tmp_path_factory):
-    if not (FIXTURE / "reference.npz").is_file():
-        pytest.skip(f"fixture not found at {FIXTURE}")
+def backend(tiny_model_dir, tmp_path_factory):
+    if not (tiny_model_dir / "reference.npz").is_file():
+        pytest.skip(f"fixture not found at {tiny_model_dir}")
     _vllm_or_skip()
     from voxbatch.worker.cosyvoice2.vllm_backend import VllmLlmBackend, VllmOptions
 
-    b = VllmLlmBackend(FIXTURE, VllmOptions(max_model_len=512, max_num_seqs=8, export_cache_dir=str(tmp_path_factory.mktemp("vllm")), dtype="float32"))
+    b = VllmLlmBackend(tiny_model_dir, VllmOptions(max_model_len=512, max_num_seqs=8, export_cache_dir=str(tmp_path_factory.mktemp("vllm")), dtype="float32"))
     yield b
     b.close()
 
@@ -282,10 +280,10 @@ def test_greedy_tokens_equal_official(backend, ref, min_len):
     assert result.tokens == ref["llm_greedy_tokens"].tolist()
 
 
-def test_greedy_tokens_equal_torch_backend(backend, ref):
+def test_greedy_tokens_equal_torch_backend(tiny_model_dir, backend, ref):
     from voxbatch.worker.cosyvoice2.torch_backend import TorchLlmBackend
 
-    torch_backend = TorchLlmBackend.from_model_dir(FIXTURE, max_batch=8, max_seq=512)
+    torch_backend = TorchLlmBackend.from_model_dir(tiny_model_dir, max_batch=8, max_seq=512)
     reqs = _mixed_requests(ref, greedy=True)
     by_torch = {r.index: r.tokens for r in torch_backend.generate(reqs)}
     by_vllm = {r.index: r.tokens for r in backend.generate(reqs)}
@@ -302,7 +300,8 @@ def test_batched_equals_single(backend, ref, greedy):
     assert sorted(batched) == list(range(len(reqs)))
 
 
-def test_ras_seeds(backend, ref):
+def test_ras_seeds(backend, ref, tiny_facts):
+    eos = tiny_facts.eos_id
     reqs = _mixed_requests(ref, greedy=False)
     a = {r.index: r.tokens for r in backend.generate(reqs)}
     b = {r.index: r.tokens for r in backend.generate(reqs[::-1])}
@@ -311,7 +310,7 @@ def test_ras_seeds(backend, ref):
     c = {r.index: r.tokens for r in backend.generate(reseeded)}
     assert c != a
     for i, r in enumerate(reqs):  # never a stop id, never beyond max_tokens
-        assert len(a[i]) <= r.max_tokens and all(0 <= t < 300 for t in a[i])
+        assert len(a[i]) <= r.max_tokens and all(0 <= t < eos for t in a[i])
 
 
 def test_results_stream_as_requests_finish(backend, ref, min_len):
@@ -330,11 +329,12 @@ def test_abandoned_generator_frees_the_engine(backend, ref, min_len):
     assert again.tokens == ref["llm_greedy_tokens"].tolist()
 
 
-def test_request_validation(backend, ref, min_len):
+def test_request_validation(backend, ref, min_len, tiny_facts):
+    eos = tiny_facts.eos_id
     with pytest.raises(ValueError, match="max_model_len"):
         list(backend.generate([_fixture_request(ref, min_len, max_tokens=1000)]))
     with pytest.raises(ValueError, match="prompt speech token"):
-        list(backend.generate([LlmRequest([1, 2], [300], min_tokens=0, max_tokens=5, seed=0)]))
+        list(backend.generate([LlmRequest([1, 2], [eos], min_tokens=0, max_tokens=5, seed=0)]))
     # Rejected inside the engine (the RAS processor validates its settings): that call fails, the
     # engine goes on serving.
     bad = _fixture_request(ref, min_len, greedy=False, top_k=0)
@@ -344,13 +344,13 @@ def test_request_validation(backend, ref, min_len):
     assert again.tokens == ref["llm_greedy_tokens"].tolist()
 
 
-@needs_fixture
-def test_logits_processor_v2_reads_the_device_history(ref):
+def test_logits_processor_v2_reads_the_device_history(ref, tiny_facts):
     """The Model Runner V2 processor (GPU, vLLM 0.3x) on hand-built runner state: same rows as V1.
 
     Slot 2 holds a 10-token prompt and 12 decoded tokens; this step feeds the newest one (position 21),
     which the committed history may not hold yet, so it must come from `input_ids`.
     """
+    eos = tiny_facts.eos_id
     _vllm_or_skip()
     from types import SimpleNamespace
 
@@ -365,19 +365,19 @@ def test_logits_processor_v2_reads_the_device_history(ref):
     logits, decoded = _ras_case(ref)
     history = torch.zeros(4, 64, dtype=torch.int32)
     history[2, 10:21] = torch.tensor(decoded[:-1], dtype=torch.int32)
-    history[2, 21] = 299  # not committed yet: garbage that must not be read
+    history[2, 21] = eos - 1  # not committed yet: garbage that must not be read
     state = LogitsProcRequestState(
         device=torch.device("cpu"),
         max_num_reqs=4,
-        vocab_size=303,
+        vocab_size=tiny_facts.llm_vocab,
         all_token_ids=SimpleNamespace(gpu=history),
         prompt_len=SimpleNamespace(gpu=torch.tensor([0, 5, 10, 0], dtype=torch.int32)),
         prefill_len=SimpleNamespace(gpu=torch.tensor([0, 5, 10, 0], dtype=torch.int32)),
         total_len=SimpleNamespace(gpu=torch.tensor([0, 5, 22, 0], dtype=torch.int32)),
     )
     proc = RasLogitsProcessorV2(None, state)
-    assert proc.add_request(2, SamplingParams(extra_args=ras_extra_args(RasParams(eos_id=300, min_tokens=13))))
-    assert proc.add_request(1, SamplingParams(extra_args=ras_extra_args(RasParams(eos_id=300, min_tokens=1))))
+    assert proc.add_request(2, SamplingParams(extra_args=ras_extra_args(RasParams(eos_id=eos, min_tokens=13))))
+    assert proc.add_request(1, SamplingParams(extra_args=ras_extra_args(RasParams(eos_id=eos, min_tokens=1))))
     assert not proc.add_request(0, SamplingParams())
     # Rows: slot 0 (plain), slot 2 (decode step at position 21), slot 1 (first sample after its prompt).
     ctx = LogitsContext(
@@ -392,31 +392,32 @@ def test_logits_processor_v2_reads_the_device_history(ref):
     out = proc.apply(logits.expand(3, -1).clone(), ctx)
     torch.testing.assert_close(out[0], logits)
     no = torch.tensor([False])
-    expected = ras_logits(logits[None], torch.tensor([decoded[-10:]]), torch.tensor([0.8]), torch.tensor([25]), torch.tensor([1.0]), torch.tensor([True]), no, 300)[0]
+    expected = ras_logits(logits[None], torch.tensor([decoded[-10:]]), torch.tensor([0.8]), torch.tensor([25]), torch.tensor([1.0]), torch.tensor([True]), no, eos)[0]
     torch.testing.assert_close(out[1], expected)  # 12 decoded < 13: eos still masked
-    assert out[1][300] == float("-inf")
-    fresh = ras_logits(logits[None], torch.full((1, 10), -1), torch.tensor([0.8]), torch.tensor([25]), torch.tensor([1.0]), torch.tensor([True]), no, 300)[0]
+    assert out[1][eos] == float("-inf")
+    fresh = ras_logits(logits[None], torch.full((1, 10), -1), torch.tensor([0.8]), torch.tensor([25]), torch.tensor([1.0]), torch.tensor([True]), no, eos)[0]
     torch.testing.assert_close(out[2], fresh)  # nothing decoded yet: empty window, eos masked
 
 
-def test_engine_samples_the_ras_distribution(backend, ref):
+def test_engine_samples_the_ras_distribution(backend, ref, tiny_facts):
     """First tokens over many seeds follow P exactly: vLLM adds no temperature/top-k/top-p of its own.
 
     1600 seeded requests of one token; P is the closed form on the official step-0 log-probs (empty
     window, no eos mask). Tolerance: TV < 0.08 (sampling noise alone is about 0.04 here).
     """
+    eos = tiny_facts.eos_id
     from voxbatch.worker.cosyvoice2.ras import ras_logits
 
     n = 1600
     base = _fixture_request(ref, 0)
     reqs = [LlmRequest(base.text_tokens, base.prompt_speech_tokens, min_tokens=0, max_tokens=1, seed=5000 + i) for i in range(n)]
-    counts = np.zeros(303)
+    counts = np.zeros(tiny_facts.llm_vocab)
     for r in backend.generate(reqs):
         assert len(r.tokens) <= 1
-        counts[r.tokens[0] if r.tokens else 300] += 1  # an empty result means a stop id was drawn
+        counts[r.tokens[0] if r.tokens else eos] += 1  # an empty result means a stop id was drawn
     logp = torch.from_numpy(ref["llm_greedy_logp_unmasked"][0]).float()
     no = torch.tensor([False])
-    P = ras_logits(logp[None], torch.full((1, 10), -1), torch.tensor([0.8]), torch.tensor([25]), torch.tensor([1.0]), no, no, 300)[0].exp().double().numpy()
+    P = ras_logits(logp[None], torch.full((1, 10), -1), torch.tensor([0.8]), torch.tensor([25]), torch.tensor([1.0]), no, no, eos)[0].exp().double().numpy()
     tv = 0.5 * np.abs(counts / n - P).sum()
     assert tv < 0.08, tv
     assert set(np.flatnonzero(counts)) <= set(np.flatnonzero(P > 0))  # nothing outside the nucleus

@@ -143,32 +143,67 @@ def _settings(**overrides) -> Settings:
     return load_settings(**overrides)
 
 
+# Bad input (corpus, settings, model directory: `ModelDirError` is a ValueError) or a missing file: a
+# command that wants its own wording for them catches these; anything else reaches `main`.
+INPUT_ERRORS = (ValueError, OSError)
+
+
+# Options shared by `submit` and `render` (multi-voice scripts, lexicons, reuse of stored audio).
+CAST_HELP = 'speakers of a script: "Alice=voiceA,Bob=voiceB"; a paragraph starting "Alice:" is read by voiceA'
+LEXICON_HELP = "pronunciation lexicon: .tsv (term<TAB>replacement) or W3C .pls alias entries"
+NO_REUSE_HELP = "render every segment, even those whose audio is already stored (content cache)"
+
+
+def _script_options(cast: Optional[str], lexicon: Optional[Path], no_reuse: bool) -> dict:
+    from voxbatch.producer.cast import parse_cast
+
+    return {"cast": parse_cast(cast), "lexicon": lexicon, "reuse": not no_reuse}
+
+
 def _jobs(settings: Settings):
     from voxbatch.jobstate import RedisJobStore
 
     return RedisJobStore.from_url(settings.broker_url)
 
 
+FORMAT_HELP = "segment (and chapter) audio: wav|flac|ogg|opus|mp3|m4a"
+PRESET_HELP = ("mastering of chapters: acx (MP3 192k CBR 44.1 kHz mono, RMS -23..-18 dB, peaks <= -3 dBFS, room "
+               "tone, credits) | podcast (-16 LUFS, true peak <= -1 dBTP) | none (as assembled)")
+TITLE_HELP = "book title for tags, the m4b and credits (default: EPUB dc:title / markdown H1)"
+AUTHOR_HELP = "book author (default: EPUB dc:creator)"
+ALL_SPINE_HELP = "EPUB: also read pages readers skip (linear=\"no\", absent from the TOC: covers, ads)"
+
+
 @app.command()
 def submit(path: Path, voice: str = typer.Option(..., help="voice profile name ('tone' for the tone engine)"),
            name: Optional[str] = typer.Option(None, help="job name (default: file name)"),
-           format: Optional[str] = typer.Option(None, "--format", help="wav|flac|ogg|opus"),
+           format: Optional[str] = typer.Option(None, "--format", help=FORMAT_HELP),
+           preset: Optional[str] = typer.Option(None, "--preset", help=PRESET_HELP),
+           title: Optional[str] = typer.Option(None, help=TITLE_HELP),
+           author: Optional[str] = typer.Option(None, help=AUTHOR_HELP),
+           epub_all_spine: Optional[bool] = typer.Option(None, "--epub-all-spine", help=ALL_SPINE_HELP),
            queue: Optional[str] = typer.Option(None, help="render queue (default: settings)"),
            watch: bool = typer.Option(False, help="show progress until the job finishes"),
            max_tokens: Optional[int] = typer.Option(None, help="cap on speech tokens per segment"),
+           cast: Optional[str] = typer.Option(None, help=CAST_HELP),
+           lexicon: Optional[Path] = typer.Option(None, help=LEXICON_HELP),
+           no_reuse: bool = typer.Option(False, "--no-reuse", help=NO_REUSE_HELP),
            model_dir: Optional[Path] = typer.Option(
                None, help="CosyVoice2 model directory: segments are measured with its tokenizer (only the "
                           "tokenizer folder is read; without a model dir, or for the 'tone' voice, a "
                           "tokenizer-free estimate is used)")):
-    """Read, segment and enqueue a corpus (.txt, .md, .epub or a folder); prints the job id."""
+    """Read, segment and enqueue a corpus (.txt, .md, .epub, a folder, or a .jsonl/.csv line-item batch);
+    prints the job id."""
     from voxbatch.producer.submit import plan_job, submit_job
     from voxbatch.models import SynthesisParams
     from voxbatch.storage import open_storage
 
-    settings = _settings(output_format=format, model_dir=str(model_dir) if model_dir else None)
+    settings = _settings(output_format=format, model_dir=str(model_dir) if model_dir else None, preset=preset,
+                         epub_all_spine=epub_all_spine)
+    options = _script_options(cast, lexicon, no_reuse)
     with _stage_bar() as progress:
         spec = plan_job(path, voice, settings, name=name, params=SynthesisParams(max_tokens=max_tokens),
-                        progress=progress)
+                        title=title, author=author, progress=progress, **options)
         job_id = submit_job(spec, settings, open_storage(settings), queue, progress=progress)
     console.print(job_id, highlight=False, markup=False)
     if watch:
@@ -320,8 +355,15 @@ def render(path: Optional[Path] = typer.Argument(None, help="corpus (.txt, .md, 
            model_dir: Optional[Path] = typer.Option(
                None, help="CosyVoice2 model directory; its tokenizer also measures the segments (without "
                           "one, or with the tone engine, a tokenizer-free estimate is used)"),
-           format: Optional[str] = typer.Option(None, "--format", help="wav|flac|ogg|opus"),
+           format: Optional[str] = typer.Option(None, "--format", help=FORMAT_HELP),
+           preset: Optional[str] = typer.Option(None, "--preset", help=PRESET_HELP),
+           title: Optional[str] = typer.Option(None, help=TITLE_HELP),
+           author: Optional[str] = typer.Option(None, help=AUTHOR_HELP),
+           epub_all_spine: Optional[bool] = typer.Option(None, "--epub-all-spine", help=ALL_SPINE_HELP),
            max_tokens: Optional[int] = typer.Option(None, help="cap on speech tokens per segment"),
+           cast: Optional[str] = typer.Option(None, help=CAST_HELP),
+           lexicon: Optional[Path] = typer.Option(None, help=LEXICON_HELP),
+           no_reuse: bool = typer.Option(False, "--no-reuse", help=NO_REUSE_HELP),
            resume: Optional[str] = typer.Option(
                None, help="job id in OUT to continue as it was planned (the same command resumes by itself)")):
     """Render a corpus in this process into a local folder (no Redis, no S3): the embedded default.
@@ -338,7 +380,9 @@ def render(path: Optional[Path] = typer.Argument(None, help="corpus (.txt, .md, 
     if path is None and resume is None:
         _fail("render needs a corpus PATH (or --resume JOB)")
     settings = _settings(engine=engine, llm_backend=llm_backend, model_dir=str(model_dir) if model_dir else None,
-                         output_format=format, storage_url=out.resolve().as_uri())
+                         output_format=format, storage_url=out.resolve().as_uri(), preset=preset,
+                         epub_all_spine=epub_all_spine)
+    options = _script_options(cast, lexicon, no_reuse)
 
     def started(spec, already: int) -> None:
         what = (f"resuming job {spec.id}: {already} of {len(spec.segments)} segments already rendered"
@@ -355,7 +399,8 @@ def render(path: Optional[Path] = typer.Argument(None, help="corpus (.txt, .md, 
 
         try:
             manifest = render_local(path, out, voice, settings, params=SynthesisParams(max_tokens=max_tokens),
-                                    resume=resume, on_start=started, on_progress=show)
+                                    title=title, author=author, resume=resume, on_start=started, on_progress=show,
+                                    **options)
         except RenderInterrupted as e:
             progress.stop()
             err.print(f"interrupted: {e.done} of {e.total} segments of job {e.job_id} are stored; run the same "
@@ -363,13 +408,43 @@ def render(path: Optional[Path] = typer.Argument(None, help="corpus (.txt, .md, 
             err.file.flush()
             sys.stdout.flush()
             os._exit(EXIT_INTERRUPTED)  # render threads may still be inside the engine: do not wait for them
-    total = sum(c.duration_s for c in manifest.chapters)
-    console.print(f"job {manifest.job_id}: {len(manifest.segments)} segments, {total:.1f} s of audio, "
-                  f"state {manifest.state} -> {escape(str(out / 'jobs' / manifest.job_id))}", soft_wrap=True)
+    total = sum(c.duration_s for c in manifest.chapters) + sum(i.duration_s for i in manifest.items)
+    console.print(f"job {manifest.job_id}: {len(manifest.segments)} segments ({manifest.reused} reused, "
+                  f"{len(manifest.segments) - manifest.reused} rendered), {total:.1f} s of audio, "
+                  f"state {manifest.state} -> {escape(str(out / 'jobs' / manifest.job_id))}", highlight=False,
+                  soft_wrap=True)
     for seg, error in list(manifest.failed.items())[:5]:
         _warn(f"segment {seg} failed: {error}")
     if manifest.state != "completed":
         raise typer.Exit(EXIT_FAILURES)
+
+
+@app.command()
+def qc(job: str, out: Optional[Path] = typer.Option(
+        None, help="the folder `voxbatch render --out` wrote (default: the storage URL from settings)")):
+    """QC of a mastered job: levels of every chapter file and each rule of its preset; exit 1 if one fails."""
+    from voxbatch.producer.qc import failure_lines, load_manifest, qc_table
+    from voxbatch.storage import open_storage
+
+    from voxbatch.keys import check_name
+
+    settings = _settings(storage_url=out.resolve().as_uri() if out else None)
+    try:
+        manifest = load_manifest(open_storage(settings), check_name("job id", job))
+    except KeyError:
+        _fail(f"job {job!r}: no manifest in {settings.storage_url} (not assembled yet, or another storage)")
+    except INPUT_ERRORS as e:
+        _fail(f"job {job!r}: unreadable manifest: {e}")
+    if not manifest.qc:
+        console.print(f"job {escape(job)}: preset {manifest.preset}, no QC rules to check")
+        return
+    console.print(qc_table(manifest))
+    failures = failure_lines(manifest)
+    for line in failures:
+        console.print(escape(line), soft_wrap=True, highlight=False)
+    if failures:
+        err.print(f"{len(failures)} of {len(manifest.qc)} file(s) fail preset {manifest.preset}")
+        raise typer.Exit(1)
 
 
 @voice_app.command("add")

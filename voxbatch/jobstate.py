@@ -11,6 +11,7 @@ Redis key layout (all keys of a job share the `{<job>}` hash tag, so a job lives
     vb:job:{<job>}:attempts     hash   segment id -> attempts started (survives worker crashes); an attempt
                                        given back unstarted (graceful shutdown, refused poison) is un-counted
     vb:job:{<job>}:errors       hash   segment id -> last error seen (kept while retrying)
+    vb:job:{<job>}:reused       set    ids of segments whose audio came from the content cache (reuse.py)
     vb:workers                  hash   worker name -> JSON {"beat": unix s, "took": unix s or 0, "queues"}:
                                        each render worker rewrites its field every `worker_heartbeat_s`;
                                        a field older than 3 beats is a dead worker (`status`, `jobs`
@@ -142,6 +143,13 @@ class JobStore(ABC):
     def is_done(self, job_id: str, seg_id: str) -> bool: ...
 
     @abstractmethod
+    def mark_reused(self, job_id: str, seg_id: str) -> None:
+        """Note that a segment's audio was copied from the cache (before it is recorded done)."""
+
+    @abstractmethod
+    def reused_ids(self, job_id: str) -> set[str]: ...
+
+    @abstractmethod
     def state(self, job_id: str) -> JobState | None: ...
 
     @abstractmethod
@@ -205,6 +213,12 @@ class RedisJobStore(JobStore):
     def done_ids(self, job_id: str) -> set[str]:
         return set(self.r.smembers(self._k(job_id, "done")))
 
+    def mark_reused(self, job_id: str, seg_id: str) -> None:
+        self.r.sadd(self._k(job_id, "reused"), seg_id)
+
+    def reused_ids(self, job_id: str) -> set[str]:
+        return set(self.r.smembers(self._k(job_id, "reused")))
+
     def failed(self, job_id: str) -> dict[str, str]:
         return dict(self.r.hgetall(self._k(job_id, "failed")))
 
@@ -221,7 +235,7 @@ class RedisJobStore(JobStore):
         """Remove a job that never got going (a submit that failed half-way): its outstanding segments
         leave the load counter, then every key of the job goes; tasks already queued find no job and skip."""
         self.cancel(job_id)
-        parts = ("", "done", "failed", "attempts", "errors")
+        parts = ("", "done", "failed", "attempts", "errors", "reused")
         with self.r.pipeline(transaction=True) as p:
             p.delete(*(self._k(job_id, part) for part in parts))
             p.zrem("vb:jobs", job_id)
@@ -239,7 +253,8 @@ class RedisJobStore(JobStore):
         return JobStatus(
             id=job_id, name=h["name"], state=h["state"], total=int(h["total"]), done=int(h["done"]),
             failed=int(h["failed"]), audio_s=int(h["audio_ms"]) / 1000, created_at=float(h["created_at"]),
-            updated_at=float(h["updated_at"]), errors=errors, reason=h.get("reason"),
+            updated_at=float(h["updated_at"]), errors=errors, reused=int(self.r.scard(self._k(job_id, "reused"))),
+            reason=h.get("reason"),
         )
 
     def worker_beat(self, name: str, took: float, queues: str) -> None:
@@ -286,7 +301,7 @@ class MemoryJobStore(JobStore):
         with self._lock:
             self._jobs[job_id] = dict(name=name, state="queued", total=total, done=set(), failed={}, attempts={},
                                       errors={}, audio_s=0.0, created_at=created_at, updated_at=created_at,
-                                      assemble=False)
+                                      assemble=False, reused=set())
 
     def begin_attempt(self, job_id: str, seg_id: str) -> int:
         with self._lock:
@@ -336,6 +351,14 @@ class MemoryJobStore(JobStore):
         with self._lock:
             return dict(self._jobs[job_id]["failed"])
 
+    def mark_reused(self, job_id: str, seg_id: str) -> None:
+        with self._lock:
+            self._jobs[job_id]["reused"].add(seg_id)
+
+    def reused_ids(self, job_id: str) -> set[str]:
+        with self._lock:
+            return set(self._jobs[job_id]["reused"])
+
     def state(self, job_id: str) -> JobState | None:
         with self._lock:
             j = self._jobs.get(job_id)
@@ -352,4 +375,4 @@ class MemoryJobStore(JobStore):
                 return None
             return JobStatus(id=job_id, name=j["name"], state=j["state"], total=j["total"], done=len(j["done"]),
                              failed=len(j["failed"]), audio_s=j["audio_s"], created_at=j["created_at"],
-                             updated_at=j["updated_at"], errors=dict(j["failed"]))
+                             updated_at=j["updated_at"], errors=dict(j["failed"]), reused=len(j["reused"]))

@@ -45,6 +45,19 @@ def chapter(job_id: str, chapter_index: int, fmt: str) -> str:
     return f"jobs/{job_id}/chapters/{chapter_index:04d}.{fmt}"
 
 
+def chapter_part(job_id: str, chapter_index: int, part: int, fmt: str) -> str:
+    """A chapter split into several files (a preset's length cap): part 1, 2, ..."""
+    return f"jobs/{job_id}/chapters/{chapter_index:04d}-{part}.{fmt}"
+
+
+def chapter_files_prefix(job_id: str, chapter_index: int) -> str:
+    return f"jobs/{job_id}/chapters/{chapter_index:04d}"
+
+
+def cover(job_id: str, ext: str) -> str:
+    return f"jobs/{job_id}/cover.{ext}"
+
+
 def book(job_id: str) -> str:
     return f"jobs/{job_id}/book.m4b"
 
@@ -53,9 +66,24 @@ def manifest(job_id: str) -> str:
     return f"jobs/{job_id}/manifest.json"
 
 
-def subtitles(job_id: str, chapter_index: int, ext: str) -> str:
-    return f"jobs/{job_id}/subtitles/{chapter_index:04d}.{ext}"
+def subtitles(job_id: str, chapter_index: int, ext: str, part: int | None = None) -> str:
+    name = f"{chapter_index:04d}" if part is None else f"{chapter_index:04d}-{part}"
+    return f"jobs/{job_id}/subtitles/{name}.{ext}"
+
+
+def subtitles_prefix(job_id: str, chapter_index: int) -> str:
+    return f"jobs/{job_id}/subtitles/{chapter_index:04d}"
 
 
 def job_prefix(job_id: str) -> str:
     return f"jobs/{check_name('job id', job_id)}/"
+
+
+def item(job_id: str, item_id: str, fmt: str) -> str:
+    """Output of one item of a line-item batch; `item_id` was checked safe (`producer.items.ID_RE`)."""
+    return f"jobs/{check_name('job id', job_id)}/items/{item_id}.{fmt}"
+
+
+def cache(content_hash: str, fmt: str) -> str:
+    """Content-addressed segment audio, shared by every job (see `voxbatch/reuse.py`)."""
+    return f"cache/{content_hash}.{fmt}"

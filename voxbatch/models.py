@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from voxbatch.settings import AudioFormat
+from voxbatch.settings import AudioFormat, PresetName
 
 JobState = Literal["queued", "running", "assembling", "completed", "completed_with_errors", "cancelled", "failed"]
 SegmentState = Literal["pending", "done", "failed"]
@@ -60,9 +60,14 @@ class Chapter(Frozen):
 class Segment(Frozen):
     """One unit of synthesis: a few sentences, rendered into one audio file."""
 
-    chapter: int = Field(ge=0)
+    chapter: int = Field(ge=0)  # the item's position for a line-item batch
     index: int = Field(ge=0)  # position within the chapter
-    text: str = Field(min_length=1)
+    text: str = Field(min_length=1)  # what is spoken (normalized, lexicon applied, cast prefix removed)
+    # Per-segment overrides (cast members, line items); None means the job's voice / speed / a seed
+    # derived from the content (`content_seed`).
+    voice: str | None = None
+    speed: float | None = Field(None, gt=0.25, le=4.0)
+    seed: int | None = Field(None, ge=0, lt=2**32)
 
     @property
     def id(self) -> str:
@@ -79,6 +84,14 @@ def segment_seed(job_id: str, seg_id: str) -> int:
     return int.from_bytes(hashlib.blake2b(f"{job_id}/{seg_id}".encode(), digest_size=4).digest(), "little")
 
 
+def content_seed(text: str, voice: str, params: "SynthesisParams") -> int:
+    """Sampling seed derived from what is spoken, by whom and how, never from the position in the
+    book: the same paragraph in an edited book (or another job) gets the same seed, so its stored
+    audio can be reused (`voxbatch/reuse.py`)."""
+    data = "\x1f".join([text, voice, params.model_dump_json()]).encode()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=4, person=b"vb-seed").digest(), "little")
+
+
 class JobSpec(Frozen):
     """The job as submitted; stored at jobs/<id>/job.json before any task is enqueued."""
 
@@ -91,6 +104,23 @@ class JobSpec(Frozen):
     segments: list[Segment]
     created_at: float
     source: str  # the path the user submitted
+    # Delivery: mastering preset applied to chapters at assembly, and the book's metadata (tags, m4b).
+    preset: PresetName = "none"
+    title: str | None = None  # book title (EPUB dc:title, markdown H1, --title); None: the job name
+    author: str | None = None  # EPUB dc:creator or --author
+    cover_key: str | None = None  # the EPUB's cover image, stored beside the spec (keys.cover)
+    # "book": chapters, book.m4b; "items": a line-item batch (.jsonl/.csv), one file per item id
+    # (`spec.chapters` then holds the item ids, a segment's `chapter` its item's position).
+    kind: Literal["book", "items"] = "book"
+    cast: dict[str, str] = {}  # `--cast`: speaker name -> voice
+    lexicon_sha256: str | None = None  # `--lexicon`: hash of its entries (they changed the spoken text)
+    reuse: bool = True  # False (`--no-reuse`): render every segment even when its audio is stored
+
+    def voice_of(self, seg: Segment) -> str:
+        return seg.voice or self.voice
+
+    def params_of(self, seg: Segment) -> SynthesisParams:
+        return self.params if seg.speed is None else self.params.model_copy(update={"speed": seg.speed})
 
 
 class TaskSegment(Frozen):
@@ -111,6 +141,9 @@ class RenderTask(Frozen):
     format: AudioFormat
     params: SynthesisParams
     segments: list[TaskSegment] = Field(min_length=1)
+    # Look up the content-addressed cache (cache/<hash>.<fmt>) before rendering; stored audio is
+    # written to the cache either way.
+    reuse: bool = True
 
 
 class ManifestSegment(Frozen):
@@ -118,8 +151,11 @@ class ManifestSegment(Frozen):
     chapter: int
     text: str
     key: str
-    start_s: float  # start within the assembled chapter
+    start_s: float  # start within the assembled chapter or item (its file, when a chapter is split)
     duration_s: float
+    voice: str = ""
+    reused: bool = False  # its audio came from the content-addressed cache, not from the engine
+    chapter_file: str | None = None  # key of the chapter file it is in
 
 
 class ManifestChapter(Frozen):
@@ -128,6 +164,47 @@ class ManifestChapter(Frozen):
     key: str | None  # None when a segment of it failed and the chapter could not be assembled
     start_s: float  # start within the book
     duration_s: float
+    # Every file of the chapter in order: one, or several when a preset caps a file's length.
+    files: list[str] = []
+
+
+class QcLevels(Frozen):
+    """Levels of one delivered file, measured on its decoded audio (voxbatch/producer/qc.py)."""
+
+    integrated_lufs: float
+    rms_db: float
+    peak_dbfs: float
+    true_peak_dbtp: float
+    noise_floor_db: float  # RMS of the quietest 500 ms
+    head_s: float  # room tone before the programme starts
+    tail_s: float  # room tone after it ends
+    duration_s: float
+
+
+class QcRow(Frozen):
+    """One chapter file's QC: its levels before and after mastering, and each rule of the preset."""
+
+    chapter: int
+    part: int  # 1-based file of the chapter (chapters over the preset's length limit are split)
+    key: str
+    format: AudioFormat
+    sample_rate: int
+    channels: int
+    kbps: int | None  # constant bit rate of mp3 / m4a files
+    levels: QcLevels  # the delivered file
+    source_levels: QcLevels | None = None  # the chapter as assembled, before mastering
+    checks: dict[str, bool]  # rule name -> passed
+    passed: bool
+
+
+class ManifestItem(Frozen):
+    """One item of a line-item batch: its own output file."""
+
+    id: str
+    key: str | None  # None when a segment of it failed
+    duration_s: float
+    status: Literal["done", "failed"]
+    error: str | None = None
 
 
 class Manifest(Frozen):
@@ -140,6 +217,13 @@ class Manifest(Frozen):
     segments: list[ManifestSegment]
     failed: dict[str, str]  # segment id -> last error
     book_key: str | None = None
+    items: list[ManifestItem] = []  # line-item batches only (chapters is then empty)
+    reused: int = 0  # segments whose audio came from the cache
+    preset: PresetName = "none"
+    chapter_format: AudioFormat | None = None  # chapters' format when a preset sets it (else `format`)
+    title: str | None = None
+    author: str | None = None
+    qc: list[QcRow] = []  # one row per chapter file when a preset is set
 
 
 class JobStatus(Frozen):
@@ -156,6 +240,7 @@ class JobStatus(Frozen):
     updated_at: float
     errors: dict[str, str] = {}
     reason: str | None = None  # why the job failed, when the job itself (not a segment) did
+    reused: int = 0  # segments taken from the content-addressed cache instead of rendered
 
     @property
     def finished(self) -> bool:

@@ -12,7 +12,9 @@ from typing import Literal
 from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-AudioFormat = Literal["wav", "flac", "ogg", "opus"]
+AudioFormat = Literal["wav", "flac", "ogg", "opus", "mp3", "m4a"]
+# Mastering presets for delivery (voxbatch/producer/mastering.py); "none" keeps chapters as assembled.
+PresetName = Literal["none", "acx", "podcast"]
 
 
 class Settings(BaseSettings):
@@ -102,6 +104,19 @@ class Settings(BaseSettings):
     # Assembly: silence between segments and between paragraphs/chapters.
     pause_ms: int = Field(250, ge=0)
     chapter_lead_ms: int = Field(500, ge=0)
+
+    # Delivery mastering of chapters (producer/mastering.py): "acx" (ACX audiobook specs: MP3 192 kb/s
+    # CBR 44.1 kHz mono, RMS -23..-18 dB, peaks <= -3 dBFS, room tone, credits as their own files),
+    # "podcast" (-16 LUFS, true peak <= -1 dBTP, MP3 or AAC), "none" (chapters as assembled).
+    preset: PresetName = "none"
+    # Longest chapter file a preset delivers (ACX: 120 min); longer chapters split at segment boundaries.
+    master_max_file_s: float = Field(7200.0, gt=0)
+    # ACX opening/closing credits, spoken by the job's voice as their own files ({title}, {author} are
+    # filled in; None: "<title>. Written by <author>." / "The end. ...").
+    credits_opening: str | None = None
+    credits_closing: str | None = None
+    # EPUB: also read spine items marked linear="no" or missing from the table of contents (covers, ads).
+    epub_all_spine: bool = False
 
     # Prometheus metrics port of a worker (0 = off); per-GPU workers use port + gpu index.
     metrics_port: int = Field(0, ge=0, le=65535)

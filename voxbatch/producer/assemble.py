@@ -22,14 +22,18 @@ assembled and the job ends `completed_with_errors`. Chapters without segments al
 (and are not errors). Objects from an earlier assembly that this one did not produce (a chapter now
 failing, a book now skipped) are deleted, so storage agrees with the manifest.
 
-Memory: one segment's audio at a time. A chapter is streamed into a temporary file in the job's
-format and uploaded whole; the book is appended to a raw PCM temporary file for ffmpeg.
+Memory: one segment's audio at a time. A chapter is streamed into a raw PCM temporary file, then
+either encoded in the job's format block by block (no preset) or mastered one file at a time
+(producer/mastering.py: the file in memory at 44.1 kHz, <= 120 min), encoded, tagged (mutagen) and
+measured again from the decoded file for its QC row; the book is appended to a raw PCM temporary
+file for ffmpeg (the mastered audio when a preset is set, at 44.1 kHz mono).
 """
 
 from __future__ import annotations
 
 import logging
 import tempfile
+import threading
 from collections import defaultdict, deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -39,11 +43,14 @@ from typing import BinaryIO
 
 import numpy as np
 
-from voxbatch.producer import m4b
+from voxbatch.producer import m4b, qc
+from voxbatch.producer.mastering import CEILING_RETRIES, Mastered, Preset, master, preset_for
 from voxbatch.producer.subtitles import Cue, samples_to_ms, to_srt, to_vtt
 from voxbatch import keys
-from voxbatch.audio import AudioDecodeError, clip, content_type, decode, open_writer
-from voxbatch.models import JobSpec, Manifest, ManifestChapter, ManifestSegment, Segment
+from voxbatch.audio import AudioDecodeError, clip, content_type, decode, open_writer, probe
+from voxbatch.models import (JobSpec, Manifest, ManifestChapter, ManifestItem, ManifestSegment, QcLevels, QcRow,
+                             Segment)
+from voxbatch.tags import TAGGED_FORMATS, Tags, write_tags
 from voxbatch.settings import Settings
 from voxbatch.storage import Storage, StorageError
 
@@ -73,12 +80,14 @@ class _Timeline:
 
     sample_rate: int | None
     channels: int | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)  # items are checked from copy threads
 
     def check(self, sr: int, channels: int) -> None:
-        if self.sample_rate is None:
-            self.sample_rate = sr
-        if self.channels is None:
-            self.channels = channels
+        with self._lock:
+            if self.sample_rate is None:
+                self.sample_rate = sr
+            if self.channels is None:
+                self.channels = channels
         if sr != self.sample_rate:
             raise SegmentAudioError(f"sample rate {sr} Hz differs from the job's {self.sample_rate} Hz")
         if channels != self.channels:
@@ -110,8 +119,28 @@ class _AssembledChapter:
     placed: list[_Placed] = field(default_factory=list)
 
 
-class _BookPcm:
-    """The book's audio as raw float32 PCM in a temporary file, appended chapter by chapter."""
+@dataclass(frozen=True)
+class _FileCue:
+    placed: _Placed
+    start_ms: int  # subtitle times, whole milliseconds rounded once
+    end_ms: int
+    start_s: float  # manifest times
+    duration_s: float
+
+
+@dataclass
+class _File:
+    """One delivered file of a chapter (a chapter is one file unless a preset caps the length)."""
+
+    key: str
+    part: int | None  # None: the chapter's only file, at keys.chapter
+    length: int  # samples at the book's rate
+    cues: list[_FileCue]  # the segments in this file, timed within it
+    qc: QcRow | None = None
+
+
+class _Pcm:
+    """Raw float32 PCM in a temporary file, appended piece by piece (a chapter, or the whole book)."""
 
     def __init__(self, path: Path):
         self.path = path
@@ -130,6 +159,14 @@ class _BookPcm:
 
     def close(self) -> None:
         self._f.close()
+
+
+def _read_pcm(path: Path, channels: int) -> np.ndarray:
+    """A raw PCM file as a read-only memory map shaped (T,) or (T, C): nothing loaded until sliced."""
+    if path.stat().st_size == 0:
+        return np.zeros((0,) if channels == 1 else (0, channels), np.float32)
+    m = np.memmap(path, dtype="<f4", mode="r")
+    return m if channels == 1 else m.reshape(-1, channels)
 
 
 def _fetch_ahead(pool: ThreadPoolExecutor, storage: Storage, keys_: list[str]) -> Iterator[tuple[str, Future]]:
@@ -168,17 +205,16 @@ def _assemble_chapter(
     segments: list[Segment],
     timeline: _Timeline,
     settings: Settings,
-    out_path: Path,
-    book: _BookPcm | None,
+    pcm: _Pcm,
     pool: ThreadPoolExecutor,
+    lead_ms: int,
 ) -> _AssembledChapter:
-    """Stream one chapter's segments into `out_path` (and the book), placing each at its sample.
+    """Stream one chapter's segments into `pcm` (raw float32), placing each at its sample.
 
     Raises _ChapterFailed naming the first segment that is missing or unusable; the caller drops the
     partial chapter.
     """
     chapter = _AssembledChapter(index=index, length=0)
-    writer = None
     seg_keys = [keys.segment(spec.id, s.chapter, s.index, spec.format) for s in segments]
     fetches = _fetch_ahead(pool, storage, seg_keys)
     try:
@@ -193,54 +229,224 @@ def _assemble_chapter(
             except (AudioDecodeError, SegmentAudioError) as e:
                 raise _ChapterFailed(seg.id, str(e)) from e
             audio = clip(audio)  # (T,) or (T, C)
-            if writer is None:
-                writer = open_writer(out_path, timeline.sample_rate, timeline.channels, spec.format)
-            gap = timeline.silence(timeline.samples(settings.chapter_lead_ms if i == 0 else settings.pause_ms))
-            for piece in (gap, audio):
-                writer.write(piece)
-                if book is not None:
-                    book.write(piece)
+            gap = timeline.silence(timeline.samples(lead_ms if i == 0 else settings.pause_ms))
+            pcm.write(gap)
+            pcm.write(audio)
             start = chapter.length + len(gap)
             chapter.placed.append(_Placed(seg, key, start, len(audio)))
             chapter.length = start + len(audio)
     finally:
         fetches.close()
-        if writer is not None:
-            writer.close()
     return chapter
 
 
-def _cues(chapter: _AssembledChapter, sample_rate: int) -> list[Cue]:
+def _assemble_and_deliver(storage: Storage, d: _Delivery, index: int, segments: list[Segment], timeline: _Timeline,
+                          settings: Settings, pool: ThreadPoolExecutor, title: str, lead_ms: int) -> list[_File]:
+    """One chapter (or multi-segment item): segments into raw PCM, then delivered plain or mastered."""
+    pcm = _Pcm(d.tmp / f"chapter-{index:04d}.f32")
+    try:
+        try:
+            chapter = _assemble_chapter(storage, d.spec, index, segments, timeline, settings, pcm, pool, lead_ms)
+        finally:
+            pcm.close()
+        if d.preset is None:
+            return _deliver_plain(storage, d, chapter, pcm.path, timeline, title)
+        return _deliver_mastered(storage, d, chapter, pcm.path, timeline, title, settings)
+    finally:
+        pcm.path.unlink(missing_ok=True)
+
+
+def _copy_item(storage: Storage, spec: JobSpec, seg: Segment, item_key: str, timeline: _Timeline) -> _File:
+    """A one-segment item is its segment: the object is copied to the item key (server-side on S3, a
+    hard link locally; no decode, no re-encode), after the checks a chapter's segments get."""
+    key = keys.segment(spec.id, seg.chapter, seg.index, spec.format)
+    try:
+        info = probe(storage.get(key), storage.describe(key))
+        timeline.check(info.sample_rate, info.channels)
+        storage.copy(key, item_key)
+    except KeyError:
+        raise _ChapterFailed(seg.id, f"missing from storage: {storage.describe(key)}") from None
+    except (AudioDecodeError, SegmentAudioError) as e:
+        raise _ChapterFailed(seg.id, str(e)) from e
+    return _File(item_key, None, info.frames, _file_cues([_Placed(seg, key, 0, info.frames)], info.sample_rate))
+
+
+def _cues(f: _File) -> list[Cue]:
+    return [Cue(c.start_ms, c.end_ms, c.placed.segment.text) for c in f.cues]
+
+
+def _file_cues(placed: list[_Placed], sample_rate: int, first: int = 0, shift_ms: int = 0) -> list[_FileCue]:
+    """Cues of segments placed from sample `first` of the chapter on, in a file that starts there and
+    has `shift_ms` of room tone put in front."""
     return [
-        Cue(samples_to_ms(p.start, sample_rate), samples_to_ms(p.start + p.length, sample_rate), p.segment.text)
-        for p in chapter.placed
+        _FileCue(p, samples_to_ms(p.start - first, sample_rate) + shift_ms,
+                 samples_to_ms(p.start - first + p.length, sample_rate) + shift_ms,
+                 (p.start - first) / sample_rate + shift_ms / 1000, p.length / sample_rate)
+        for p in placed
     ]
+
+
+@dataclass
+class _Delivery:
+    """What every chapter file of a job shares: format, preset, tags, the book being appended to."""
+
+    spec: JobSpec
+    preset: Preset | None
+    fmt: str
+    title: str
+    chapters_total: int
+    cover: tuple[bytes, str] | None
+    book: _Pcm | None
+    tmp: Path
+
+    def tags(self, title: str, track: int) -> Tags:
+        cover, mime = self.cover or (None, None)
+        return Tags(title=title, album=self.title, author=self.spec.author, track=track,
+                    track_total=self.chapters_total, cover=cover, cover_mime=mime)
+
+
+def _deliver_plain(storage: Storage, d: _Delivery, chapter: _AssembledChapter, pcm_path: Path,
+                   timeline: _Timeline, title: str) -> list[_File]:
+    """No preset: the chapter as assembled, in the job's format, streamed block by block."""
+    sr = timeline.sample_rate
+    audio = _read_pcm(pcm_path, timeline.channels)
+    out_path = d.tmp / f"chapter-{chapter.index:04d}.{d.fmt}"
+    block = sr * 60
+    with open_writer(out_path, sr, timeline.channels, d.fmt) as writer:
+        for i in range(0, len(audio), block):
+            piece = np.asarray(audio[i:i + block])
+            writer.write(piece)
+            if d.book is not None:
+                d.book.write(piece)
+    del audio
+    write_tags(out_path, d.fmt, d.tags(title, chapter.index + 1))
+    items = d.spec.kind == "items"
+    key = keys.item(d.spec.id, title, d.fmt) if items else keys.chapter(d.spec.id, chapter.index, d.fmt)
+    storage.put_file(key, out_path, content_type(d.fmt))
+    out_path.unlink()
+    return [_File(key, None, chapter.length, _file_cues(chapter.placed, sr))]
+
+
+def _split_points(chapter: _AssembledChapter, sample_rate: int, max_s: float, pads_s: float) -> list[int]:
+    """Sample positions where each file of the chapter starts: at segment ends, so no file (with its
+    room tone) runs over `max_s` unless one segment alone does."""
+    starts = [0]
+    for prev, nxt in zip(chapter.placed, chapter.placed[1:]):
+        end = nxt.start + nxt.length  # this file, if it took `nxt` too
+        if (end - starts[-1]) / sample_rate + pads_s > max_s:
+            starts.append(prev.start + prev.length)
+    return starts
+
+
+def _master_file(audio: np.ndarray, sr: int, d: _Delivery, out_path: Path, seed: int,
+                 tags: Tags) -> tuple[Mastered, QcLevels, dict[str, bool]]:
+    """Master, encode, tag and measure one file; lower the ceiling and redo when encoding pushed peaks over."""
+    preset = d.preset
+    offset = 0.0
+    for attempt in range(CEILING_RETRIES + 1):
+        mastered = master(audio, sr, preset, ceiling_offset_db=offset, seed=seed)
+        with open_writer(out_path, preset.sample_rate, 1, preset.fmt, kbps=preset.kbps) as w:
+            w.write(mastered.audio)
+        decoded, got_sr = decode(out_path.read_bytes(), out_path.name)
+        levels = qc.measure(decoded, got_sr)
+        facts = {"format": preset.fmt, "kbps": preset.kbps, "sample_rate": got_sr,
+                 "channels": 1 if decoded.ndim == 1 else decoded.shape[1]}
+        checks = qc.check(preset.name, levels, facts)
+        over = max(levels.peak_dbfs - qc.PEAK_LIMIT_DB.get(preset.name, 0.0),
+                   levels.true_peak_dbtp - qc.TRUE_PEAK_LIMIT_DB.get(preset.name, 0.0))
+        if all(checks.values()) or over <= 0 or attempt == CEILING_RETRIES:
+            break
+        offset += over + 0.3
+    write_tags(out_path, preset.fmt, tags)
+    return mastered, levels, checks
+
+
+def _deliver_mastered(storage: Storage, d: _Delivery, chapter: _AssembledChapter, pcm_path: Path,
+                      timeline: _Timeline, title: str, settings: Settings) -> list[_File]:
+    """A preset: split at segment boundaries where needed, master each file, encode, tag, QC."""
+    preset = d.preset
+    sr = timeline.sample_rate
+    audio = _read_pcm(pcm_path, timeline.channels)
+    pads = (preset.head_s or 0.0) + (preset.tail_s or 0.0)
+    starts = _split_points(chapter, sr, settings.master_max_file_s, pads)
+    bounds = list(zip(starts, starts[1:] + [chapter.length]))
+    files: list[_File] = []
+    for k, (lo, hi) in enumerate(bounds, start=1):
+        part = None if len(bounds) == 1 else k
+        key = (keys.chapter(d.spec.id, chapter.index, preset.fmt) if part is None
+               else keys.chapter_part(d.spec.id, chapter.index, part, preset.fmt))
+        out_path = d.tmp / f"chapter-{chapter.index:04d}-{k}.{preset.fmt}"
+        piece = np.asarray(audio[lo:hi])
+        file_title = title if part is None else f"{title} ({part}/{len(bounds)})"
+        mastered, levels, checks = _master_file(piece, sr, d, out_path, seed=chapter.index * 1000 + k,
+                                                tags=d.tags(file_title, chapter.index + 1))
+        if d.book is not None:
+            d.book.write(mastered.audio)
+        source = qc.measure(piece, sr)
+        storage.put_file(key, out_path, content_type(preset.fmt))
+        out_path.unlink()
+        cues = _file_cues([p for p in chapter.placed if lo <= p.start < hi], sr, lo,
+                          round(mastered.head_pad_s * 1000))
+        row = QcRow(chapter=chapter.index, part=k, key=key, format=preset.fmt, sample_rate=preset.sample_rate,
+                    channels=1, kbps=preset.kbps, levels=levels, source_levels=source, checks=checks,
+                    passed=all(checks.values()))
+        if not row.passed:
+            log.warning("job %s: %s fails %s: %s", d.spec.id, key, preset.name,
+                        ", ".join(n for n, ok in checks.items() if not ok))
+        files.append(_File(key, part, len(mastered.audio), cues, row))
+    return files
 
 
 def _write_book(
     storage: Storage,
-    spec: JobSpec,
+    d: _Delivery,
     ffmpeg: str,
-    book: _BookPcm,
-    timeline: _Timeline,
-    assembled: dict[int, _AssembledChapter],
+    book_rate: int,
+    book_channels: int,
+    assembled: dict[int, int],
     book_start: dict[int, int],
-    tmp: Path,
 ) -> str:
     """Encode the book's PCM into an .m4b with one marker per assembled chapter; return its key."""
-    sr = timeline.sample_rate
+    spec = d.spec
     marks = [
         m4b.ChapterMark(
             spec.chapters[index],
-            samples_to_ms(book_start[index], sr),
-            samples_to_ms(book_start[index] + chapter.length, sr),
+            samples_to_ms(book_start[index], book_rate),
+            samples_to_ms(book_start[index] + length, book_rate),
         )
-        for index, chapter in assembled.items()
+        for index, length in assembled.items()
     ]
-    out = tmp / "book.m4b"
-    m4b.encode_m4b(ffmpeg, book.path, sr, timeline.channels, spec.name, marks, out)
+    out = d.tmp / "book.m4b"
+    m4b.encode_m4b(ffmpeg, d.book.path, book_rate, book_channels, d.title, marks, out, author=spec.author)
+    cover, mime = d.cover or (None, None)
+    write_tags(out, "m4b", Tags(title=d.title, album=d.title, author=spec.author, cover=cover, cover_mime=mime))
     storage.put_file(keys.book(spec.id), out, content_type("m4b"))
     return keys.book(spec.id)
+
+
+MAX_COVER_BYTES = 10 * 1024 * 1024
+
+
+def _load_cover(storage: Storage, spec: JobSpec) -> tuple[bytes, str] | None:
+    """The job's cover image (stored at submit from the EPUB), if any and of a sane size."""
+    if not spec.cover_key:
+        return None
+    try:
+        data = storage.get(spec.cover_key)
+    except KeyError:
+        log.warning("job %s: cover %s missing; files go out without it", spec.id, spec.cover_key)
+        return None
+    if len(data) > MAX_COVER_BYTES:
+        return None
+    mime = "image/png" if data[:8] == b"\x89PNG\r\n\x1a\n" else "image/jpeg"
+    return data, mime
+
+
+def _delete_except(storage: Storage, listing: list[str], prefix: str, keep: set[str]) -> None:
+    """Remove objects whose key starts with `prefix` (from `listing`) that this assembly did not produce."""
+    for key in listing:
+        if key.startswith(prefix) and key not in keep:
+            storage.delete(key)
 
 
 def assemble_job(
@@ -249,15 +455,24 @@ def assemble_job(
     failed: dict[str, str],
     sample_rate: int | None,
     settings: Settings,
+    reused: set[str] | frozenset[str] = frozenset(),
 ) -> Manifest:
     """Assemble every chapter whose segments all rendered, then the book and the manifest.
+
+    A line-item batch (`spec.kind == "items"`) is assembled the same way with each item as a chapter
+    written to `keys.item` (no lead silence, no subtitles, no book), listed in `manifest.items`.
+    `reused` holds the ids of segments whose audio came from the content cache (manifest `reused`).
 
     `failed` maps segment id -> last error (from the job state); segments neither failed nor in
     storage are added to it as missing. `sample_rate` is the engine's output rate when known;
     with None the first segment decoded sets it (0 in the manifest when no segment could be read).
+    A preset (spec.preset) masters each chapter file and adds a QC row per file to the manifest.
     """
     failed = dict(failed)
     fmt = spec.format
+    items = spec.kind == "items"
+    preset = None if items else preset_for(spec.preset, fmt)  # line items are delivered as rendered
+    chapter_fmt = preset.fmt if preset else fmt
     by_chapter = _segments_by_chapter(spec)
     stored = set(storage.list(keys.job_prefix(spec.id) + "segments/"))
     for seg in spec.segments:
@@ -266,57 +481,76 @@ def assemble_job(
             failed[seg.id] = f"missing from storage: {storage.describe(key)}"
 
     timeline = _Timeline(sample_rate)
-    ffmpeg = m4b.find_ffmpeg()
-    if ffmpeg is None:
+    ffmpeg = None if items else m4b.find_ffmpeg()
+    if ffmpeg is None and not items:
         log.info("job %s: ffmpeg not on PATH, skipping the .m4b book", spec.id)
-    assembled: dict[int, _AssembledChapter] = {}
-    book_start: dict[int, int] = {}  # chapter index -> first sample in the book
+    earlier = storage.list(keys.job_prefix(spec.id) + "chapters/") + storage.list(
+        keys.job_prefix(spec.id) + "subtitles/")
+    delivered: dict[int, list[_File]] = {}
+    book_start: dict[int, int] = {}  # chapter index -> first sample in the book (book rate)
     book_length = 0
 
     with tempfile.TemporaryDirectory(prefix=f"voxbatch-assemble-{spec.id}-") as tmp_dir:
         tmp = Path(tmp_dir)
-        book = _BookPcm(tmp / "book.f32") if ffmpeg else None
+        d = _Delivery(spec=spec, preset=preset, fmt=chapter_fmt, title=spec.title or spec.name,
+                      chapters_total=len(spec.chapters), cover=_load_cover(storage, spec),
+                      book=_Pcm(tmp / "book.f32") if ffmpeg else None, tmp=tmp)
         pool = ThreadPoolExecutor(PREFETCH, thread_name_prefix="assemble-get")
+        copier = ThreadPoolExecutor(PREFETCH, thread_name_prefix="assemble-copy")
+        copies = {index: copier.submit(_copy_item, storage, spec, segs[0], keys.item(spec.id, spec.chapters[index], fmt),
+                                       timeline)
+                  for index, segs in by_chapter.items()
+                  if items and fmt not in TAGGED_FORMATS and len(segs) == 1 and segs[0].id not in failed}
         try:
             for index, title in enumerate(spec.chapters):
                 book_start[index] = book_length
                 segments = by_chapter.get(index, [])
-                chapter_key = keys.chapter(spec.id, index, fmt)
+                files: list[_File] = []
                 if segments and not any(s.id in failed for s in segments):
-                    out_path = tmp / f"chapter-{index:04d}.{fmt}"
-                    mark = book.mark() if book else 0
+                    mark = d.book.mark() if d.book else 0
                     try:
-                        chapter = _assemble_chapter(
-                            storage, spec, index, segments, timeline, settings, out_path, book, pool
-                        )
+                        if index in copies:
+                            files = [copies[index].result()]
+                        else:
+                            files = _assemble_and_deliver(storage, d, index, segments, timeline, settings, pool, title,
+                                                          0 if items else settings.chapter_lead_ms)
                     except _ChapterFailed as e:
                         failed[e.segment_id] = e.error
                         log.warning("job %s: chapter %d not assembled: %s", spec.id, index, e)
-                        if book:
-                            book.rewind(mark)
-                    else:
-                        storage.put_file(chapter_key, out_path, content_type(fmt))
-                        sr = timeline.sample_rate
-                        cues = _cues(chapter, sr)
-                        for ext, text in (("srt", to_srt(cues)), ("vtt", to_vtt(cues))):
-                            storage.put(keys.subtitles(spec.id, index, ext), text.encode(), content_type(ext))
-                        assembled[index] = chapter
-                        book_length += chapter.length
-                        out_path.unlink()
-                        continue
-                # Not assembled: remove what an earlier assembly of this job may have left.
-                for key in (chapter_key, keys.subtitles(spec.id, index, "srt"), keys.subtitles(spec.id, index, "vtt")):
-                    storage.delete(key)  # both backends accept a missing key
+                        if d.book:
+                            d.book.rewind(mark)
+                if files:
+                    delivered[index] = files
+                if items:
+                    if not files:  # not assembled: remove what an earlier assembly may have left
+                        storage.delete(keys.item(spec.id, title, fmt))
+                    continue
+                produced: set[str] = set()
+                for f in files:
+                    produced.add(f.key)
+                    cues = _cues(f)
+                    for ext, text in (("srt", to_srt(cues)), ("vtt", to_vtt(cues))):
+                        sub_key = keys.subtitles(spec.id, index, ext, f.part)
+                        storage.put(sub_key, text.encode(), content_type(ext))
+                        produced.add(sub_key)
+                    book_length += f.length
+                # Remove what an earlier assembly of this job left for this chapter and did not redo now.
+                _delete_except(storage, earlier, keys.chapter_files_prefix(spec.id, index), produced)
+                _delete_except(storage, earlier, keys.subtitles_prefix(spec.id, index), produced)
         finally:
             pool.shutdown(cancel_futures=True)
-            if book:
-                book.close()
+            copier.shutdown(cancel_futures=True)
+            if d.book:
+                d.book.close()
 
         sr = timeline.sample_rate or 0
+        book_rate = preset.sample_rate if preset else sr
+        book_channels = 1 if preset else (timeline.channels or 1)
         book_key = None
-        if book and assembled:
-            book_key = _write_book(storage, spec, ffmpeg, book, timeline, assembled, book_start, tmp)
-        else:
+        if d.book and delivered:
+            lengths = {i: sum(f.length for f in files) for i, files in delivered.items()}
+            book_key = _write_book(storage, d, ffmpeg, book_rate, book_channels, lengths, book_start)
+        elif not items:
             storage.delete(keys.book(spec.id))
 
     manifest = Manifest(
@@ -325,33 +559,59 @@ def assemble_job(
         state="completed_with_errors" if failed else "completed",
         sample_rate=sr,
         format=fmt,
-        chapters=[
+        chapters=[] if items else [
             ManifestChapter(
                 index=index,
                 title=title,
-                key=keys.chapter(spec.id, index, fmt) if index in assembled else None,
-                start_s=book_start[index] / sr if sr else 0.0,
-                duration_s=assembled[index].length / sr if index in assembled else 0.0,
+                key=delivered[index][0].key if index in delivered else None,
+                start_s=book_start[index] / book_rate if book_rate else 0.0,
+                duration_s=sum(f.length for f in delivered.get(index, [])) / book_rate if book_rate else 0.0,
+                files=[f.key for f in delivered.get(index, [])],
             )
             for index, title in enumerate(spec.chapters)
         ],
         segments=[
             ManifestSegment(
-                id=p.segment.id,
-                chapter=p.segment.chapter,
-                text=p.segment.text,
-                key=p.key,
-                start_s=p.start / sr,
-                duration_s=p.length / sr,
+                id=c.placed.segment.id,
+                chapter=c.placed.segment.chapter,
+                text=c.placed.segment.text,
+                key=c.placed.key,
+                start_s=c.start_s,
+                duration_s=c.duration_s,
+                voice=spec.voice_of(c.placed.segment),
+                reused=c.placed.segment.id in reused,
+                chapter_file=None if items else f.key,
             )
-            for index in sorted(assembled)
-            for p in assembled[index].placed
+            for index in sorted(delivered)
+            for f in delivered[index]
+            for c in f.cues
         ],
         failed=dict(sorted(failed.items())),
         book_key=book_key,
+        items=_manifest_items(spec, by_chapter, delivered, failed, sr) if items else [],
+        reused=len(reused & {s.id for s in spec.segments}),
+        preset=spec.preset if preset else "none",
+        chapter_format=chapter_fmt,
+        title=d.title,
+        author=spec.author,
+        qc=[f.qc for index in sorted(delivered) for f in delivered[index] if f.qc is not None],
     )
     storage.put(keys.manifest(spec.id), manifest.model_dump_json(indent=2).encode(), content_type("json"))
     return manifest
+
+
+def _manifest_items(spec: JobSpec, by_chapter: dict[int, list[Segment]], delivered: dict[int, list[_File]],
+                    failed: dict[str, str], sr: int) -> list[ManifestItem]:
+    """Every item id of a line-item batch -> its file, duration and status (the first error if failed)."""
+    out = []
+    for index, item_id in enumerate(spec.chapters):
+        if index in delivered:
+            out.append(ManifestItem(id=item_id, key=delivered[index][0].key,
+                                    duration_s=delivered[index][0].length / sr, status="done"))
+        else:
+            error = next((failed[s.id] for s in by_chapter.get(index, []) if s.id in failed), "not assembled")
+            out.append(ManifestItem(id=item_id, key=None, duration_s=0.0, status="failed", error=error))
+    return out
 
 
 def fetch_job(storage: Storage, job_id: str, out_dir: str | Path) -> tuple[int, list[str]]:

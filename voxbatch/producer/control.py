@@ -101,6 +101,7 @@ def status_table(status: JobStatus, jobs: RedisJobStore | None = None, max_error
     table.add_column("field", no_wrap=True)
     table.add_column("value", overflow="fold")
     for k, v in [("name", status.name), ("state", status.state), ("segments", f"{status.done}/{status.total}"),
+                 ("reused", str(status.reused)),
                  ("failed", str(status.failed)), ("audio", f"{status.audio_s:.1f} s")]:
         table.add_row(k, escape(v))
     if status.reason:

@@ -171,8 +171,52 @@ def decode_document(raw: bytes, where: str) -> str:
         raise CorpusError(f"{where}: not {encoding} text as it declares ({bad})") from None
 
 
-def read_epub(path: Path, limits: CorpusLimits = CorpusLimits()) -> list[Chapter]:
-    """Chapters of an EPUB: spine order, titles from the TOC (else the first heading, else the file name)."""
+# Emphasis written as markup characters inside the text (EPUBs converted from markdown): the words stay,
+# the markers go, so nothing reads "asterisk"; a paragraph of only such characters is a scene break.
+_EMPHASIS = [
+    (re.compile(r"(\*\*|__)(?=\S)(.+?)(?<=\S)\1"), r"\2"),
+    (re.compile(r"(?<![\w*])([*_])(?=\S)(.+?)(?<=\S)\1(?![\w*])"), r"\2"),
+    (re.compile(r"~~(?=\S)(.+?)(?<=\S)~~"), r"\1"),
+]
+_SCENE_BREAK = re.compile(r"[\s*#~_=\-•·⁂]+")
+
+
+def plain_emphasis(paragraph: str) -> str | None:
+    """The paragraph without emphasis markers; None when nothing but break symbols is left."""
+    for pattern, repl in _EMPHASIS:
+        paragraph = pattern.sub(repl, paragraph)
+    return None if _SCENE_BREAK.fullmatch(paragraph) else paragraph
+
+
+def _reading_order(book, titles: dict[str, str], all_spine: bool) -> list[tuple[object, bool]]:
+    """(document, starts a chapter) in the order a reading system shows them.
+
+    Readers skip spine items marked linear="no" (covers, pop-ups) and show no entry for documents the
+    table of contents leaves out. So, unless `all_spine`: linear="no" items are dropped; documents
+    before the first TOC entry (cover, title and copyright pages) are dropped; a document after a TOC
+    entry that the TOC does not name continues the chapter before it (a chapter split over several
+    files, as converters write them): never a chapter of its own, and no text of a chapter is lost
+    (trailing pages such as ads are read at the end of the last chapter, rather than risk dropping
+    the real end of a split last chapter). A book without a usable TOC keeps one chapter per document.
+    """
+    docs = []
+    for idref, linear in book.spine:
+        item = book.get_item_with_id(idref)
+        if item is None or item.get_type() != ebooklib.ITEM_DOCUMENT or isinstance(item, epub.EpubNav):
+            continue
+        if linear == "no" and not all_spine:
+            continue
+        docs.append(item)
+    in_toc = [_norm_href(item.get_name()) in titles for item in docs]
+    if all_spine or not any(in_toc):
+        return [(item, True) for item in docs]
+    first = in_toc.index(True)
+    return list(zip(docs, in_toc))[first:]
+
+
+def read_epub(path: Path, limits: CorpusLimits = CorpusLimits(), *, all_spine: bool = False) -> list[Chapter]:
+    """Chapters of an EPUB in reading order (`_reading_order`), titles from the TOC (else the first
+    heading, else the file name); `all_spine` makes every spine document with text a chapter."""
     name = str(path)
     check_zip(path, limits)
     try:
@@ -182,16 +226,18 @@ def read_epub(path: Path, limits: CorpusLimits = CorpusLimits()) -> list[Chapter
         # (XMLSyntaxError, KeyError, AttributeError, IndexError, TypeError...): all mean "not readable".
         raise CorpusError(f"{name}: not a readable EPUB ({type(e).__name__}: {e})") from None
     chapters: list[Chapter] = []
-    for idref, *_ in book.spine:
-        item = book.get_item_with_id(idref)
-        if item is None or item.get_type() != ebooklib.ITEM_DOCUMENT or isinstance(item, epub.EpubNav):
-            continue
+    for item, starts in _reading_order(book, titles, all_spine):
         where = f"{name}#{item.get_name()}"
         raw = item.content if isinstance(item.content, bytes) else item.get_content()  # as stored, not re-serialized
         html = remove_control_characters(decode_document(raw, where), where)
         paragraphs, heading = html_to_paragraphs(html)
+        paragraphs = [p for p in map(plain_emphasis, paragraphs) if p]
         if not paragraphs:
             continue  # cover images, empty nav pages
+        if not starts and chapters:  # the rest of the chapter before, in its own file
+            prev = chapters[-1]
+            chapters[-1] = prev.model_copy(update={"text": prev.text + "\n\n" + "\n\n".join(paragraphs)})
+            continue
         text = "\n".join(paragraphs)
         check_line_lengths(text, where, unit="paragraph")
         title = titles.get(_norm_href(item.get_name())) or heading or PurePosixPath(item.get_name()).stem

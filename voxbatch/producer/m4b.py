@@ -41,8 +41,10 @@ def _escape(value: str) -> str:
     return out
 
 
-def ffmetadata(title: str, marks: list[ChapterMark]) -> str:
+def ffmetadata(title: str, marks: list[ChapterMark], author: str | None = None) -> str:
     lines = [";FFMETADATA1", f"title={_escape(title)}", f"album={_escape(title)}", "genre=Audiobook"]
+    if author:
+        lines += [f"artist={_escape(author)}", f"album_artist={_escape(author)}"]
     for m in marks:
         lines += ["[CHAPTER]", "TIMEBASE=1/1000", f"START={m.start_ms}", f"END={m.end_ms}", f"title={_escape(m.title)}"]
     return "\n".join(lines) + "\n"
@@ -56,10 +58,11 @@ def encode_m4b(
     title: str,
     marks: list[ChapterMark],
     out_path: Path,
+    author: str | None = None,
 ) -> None:
     """Encode raw float32 little-endian PCM at `pcm_path` into `out_path` with chapter marks."""
     meta = out_path.with_suffix(".ffmeta")
-    meta.write_text(ffmetadata(title, marks), encoding="utf-8")
+    meta.write_text(ffmetadata(title, marks, author), encoding="utf-8")
     cmd = [
         ffmpeg, "-nostdin", "-hide_banner", "-loglevel", "error", "-y",
         "-f", "f32le", "-ar", str(sample_rate), "-ac", str(channels), "-i", str(pcm_path),

@@ -42,10 +42,6 @@ def detect_lang(text: str) -> Lang:
     return "zh" if han and han >= len(_LATIN_WORD.findall(text)) else "en"
 
 
-def contains_chinese(text: str) -> bool:
-    return _HAN.search(text) is not None
-
-
 def is_only_punctuation(text: str) -> bool:
     """True when nothing is left to speak: only punctuation, symbols and blanks (or nothing at all)."""
     return all(unicodedata.category(c)[0] in "PSZ" or c.isspace() for c in text)
@@ -230,9 +226,50 @@ _EN_NEEDS_TN = re.compile(
 )
 
 
+# Clock times with a.m./p.m. (also "am", "A.M."): "5 p.m." -> "five PM". wetext reads the abbreviation's
+# dots as part of the time, so "5 p.m. The" lost its sentence break and "9 a.m., then" became "AM., then".
+_CLOCK = re.compile(r"(?<![\d:.])(\d{1,2})(?::([0-5]\d))?\s*([ap])(\.?)\s?m\b(\.?)", re.IGNORECASE)
+_SENTENCE_START = re.compile(r"\s*(?:$|[A-Z0-9\"“‘(\[])")
+
+
+def _clock_en(m: re.Match) -> str:
+    hour, minute = int(m.group(1)), m.group(2)
+    if hour > 12:
+        return m.group()  # "13 p.m." is not a time a reader would say; leave it to TN
+    words = number_to_words(hour)
+    if minute and minute != "00":
+        words += " " + (f"oh {_ONES[int(minute)]}" if minute[0] == "0" else number_to_words(int(minute)))
+    words += " AM" if m.group(3).lower() == "a" else " PM"
+    # The abbreviation's last dot also ends the sentence when a new sentence (or the text) follows.
+    if m.group(5) and _SENTENCE_START.match(m.string, m.end()):
+        words += "."
+    return words
+
+
+def clock_times_en(text: str) -> str:
+    return _CLOCK.sub(_clock_en, text)
+
+
+_MONTHS = ("january february march april may june july august september october november december").split()
+
+
+def capitalize_months(original: str, normalized: str) -> str:
+    """Month names TN lowercased ("the fifth of january") capitalised again.
+
+    A month the input never wrote in lower case is capitalised everywhere; one it did ("they march",
+    "it may rain") only where TN's date form puts it, after "of" ("the third of march")."""
+    written = set(re.findall(r"[a-z]+", original))
+    for month in _MONTHS:
+        pattern = rf"\b{month}\b" if month not in written else rf"(?<=\bof ){month}\b"
+        normalized = re.sub(pattern, month.capitalize(), normalized)
+    return normalized
+
+
 def _normalize_en(text: str, use_wetext: bool) -> str:
+    original = text
     # "Chapter XII" -> "Chapter twelve": TN leaves roman numerals alone, a speaker would say them as letters.
     text = _ROMAN_AFTER.sub(lambda m: f"{m.group(1)} {number_to_words(roman_to_int(m.group(2)))}", text)
+    text = clock_times_en(text)
     # Money and thousands separators first: wetext 0.1.8 reads "1,234" as "thousand two hundred ..."
     # (it drops the "one").
     text = _MONEY.sub(_money_en, text)
@@ -240,7 +277,7 @@ def _normalize_en(text: str, use_wetext: bool) -> str:
     if not _EN_NEEDS_TN.search(text):
         return " ".join(text.split())
     out = _wetext(text, "en") if use_wetext else None
-    text = light_tn_en(text) if out is None else spell_out_numbers(out)
+    text = light_tn_en(text) if out is None else capitalize_months(original, spell_out_numbers(out))
     return " ".join(text.split())
 
 

@@ -49,8 +49,21 @@ def check_size(path: Path, size: int, limits: CorpusLimits, what: str = "corpus"
                           "(VOXBATCH_MAX_CORPUS_BYTES); split it into several jobs")
 
 
-def read_corpus(path: str | Path, limits: CorpusLimits = CorpusLimits()) -> list[Chapter]:
-    """Read a corpus and return its chapters in reading order, indexed from 0."""
+def check_corpus(path: Path, limits: CorpusLimits) -> None:
+    """The size limits of a corpus file, before anything else opens it (an EPUB's zip directory too)."""
+    if path.is_file():
+        check_size(path, path.stat().st_size, limits)
+        if path.suffix.lower() == ".epub":
+            from voxbatch.producer.epub import check_zip
+
+            check_zip(path, limits)
+
+
+def read_corpus(path: str | Path, limits: CorpusLimits = CorpusLimits(), *, all_spine: bool = False) -> list[Chapter]:
+    """Read a corpus and return its chapters in reading order, indexed from 0.
+
+    `all_spine`: EPUB only, also read spine items that readers skip (linear="no", absent from the TOC).
+    """
     p = Path(path)
     if p.is_dir():
         return _read_directory(p, limits)
@@ -61,7 +74,7 @@ def read_corpus(path: str | Path, limits: CorpusLimits = CorpusLimits()) -> list
     if suffix == ".epub":
         from voxbatch.producer.epub import read_epub  # ebooklib/lxml are loaded only for EPUB corpora
 
-        return read_epub(p, limits)
+        return read_epub(p, limits, all_spine=all_spine)
     if suffix in TEXT_SUFFIXES:
         text = decode_text(p.read_bytes(), str(p))
         chapters = _split_text(text, str(p), markdown=suffix in MARKDOWN_SUFFIXES, default_title=p.stem)
@@ -164,36 +177,80 @@ def chapter_heading(line: str) -> tuple[str, bool] | None:
 
 
 # --------------------------------------------------------------------------------------------------------
-# Markdown
+# Markdown (markdown-it-py: CommonMark, GFM tables)
 
 
-_ATX = re.compile(r" {0,3}(#{1,6})(?:\s+(.*?))?\s*#*\s*")
-_SETEXT = re.compile(r" {0,3}(=+|-+)\s*")
-_FENCE = re.compile(r" {0,3}(```|~~~)")
-_HR = re.compile(r" {0,3}(?:(?:\*\s*){3,}|(?:-\s*){3,}|(?:_\s*){3,})")
-_LIST_ITEM = re.compile(r"\s*(?:[-*+]|\d{1,3}[.)])\s+")
-_QUOTE = re.compile(r"\s*(?:>\s?)+")
-_TABLE_RULE = re.compile(r"\s*\|?\s*:?-{2,}:?\s*(?:\|\s*:?-{2,}:?\s*)*\|?\s*")
-_LINK_DEF = re.compile(r" {0,3}\[[^\]]+\]:\s+\S+.*")
-_INLINE = [
-    (re.compile(r"!\[[^\]]*\]\([^)]*\)"), ""),  # images
-    (re.compile(r"\[\^[^\]]+\]"), ""),  # footnote markers
-    (re.compile(r"\[([^\]]+)\]\([^)]*\)"), r"\1"),  # [text](url)
-    (re.compile(r"\[([^\]]+)\]\[[^\]]*\]"), r"\1"),  # [text][ref]
-    (re.compile(r"<(https?://[^>]+)>"), r"\1"),  # autolinks
-    (re.compile(r"<!--.*?-->"), ""),
-    (re.compile(r"</?[A-Za-z][^>]*>"), ""),  # inline html tags
-    (re.compile(r"`+([^`]*)`+"), r"\1"),
-    (re.compile(r"(\*\*|__)(?=\S)(.+?)(?<=\S)\1"), r"\2"),
-    (re.compile(r"(?<![\w*])([*_])(?=\S)(.+?)(?<=\S)\1(?![\w*])"), r"\2"),
-    (re.compile(r"~~(.+?)~~"), r"\1"),
-]
+_ATX = re.compile(r" {0,3}(#{1,6})(?:\s+(.*?))?\s*#*\s*")  # "# Heading" lines in plain .txt
+_FOOTNOTE_REF = re.compile(r"\[\^[^\]]+\]")
+_FOOTNOTE_DEF = re.compile(r"\s*\[\^[^\]]+\]:")  # "[^1]: note": not CommonMark, so a paragraph to drop
+_HTML_TAG = re.compile(r"<!--.*?-->|</?[A-Za-z][^>]*>", re.S)
+_FRONT_MATTER_LINES = 60  # a YAML block at the very top is looked for this far down
 
 
-def strip_inline_markdown(line: str) -> str:
-    for pattern, repl in _INLINE:
-        line = pattern.sub(repl, line)
-    return line
+def _inline_lines(inline) -> list[str]:
+    """Plain text of one markdown-it inline token, one string per source line: emphasis, code and link
+    markup gone (their words kept), images, raw HTML tags and footnote markers dropped."""
+    lines, buf, in_image = [], [], 0
+    for tok in inline.children or []:
+        if tok.type == "image":
+            continue  # its alt text is a description of a picture, not prose
+        if tok.type in ("softbreak", "hardbreak"):
+            lines.append("".join(buf))
+            buf = []
+        elif tok.type in ("text", "code_inline"):
+            buf.append(tok.content)
+    lines.append("".join(buf))
+    return [_FOOTNOTE_REF.sub("", line).rstrip() for line in lines]
+
+
+def _markdown_lines(text: str) -> list[_Line]:
+    """Source lines of a markdown file as `_Line`s, parsed by markdown-it-py (CommonMark + tables).
+
+    Every source line keeps its number: content lines carry their plain text, headings their level,
+    everything else (blank lines, rules, link definitions, fences, front matter) is blank. List items,
+    table rows and code lines start paragraphs of their own.
+    """
+    from markdown_it import MarkdownIt
+
+    raw = text.split("\n")
+    out = [_Line(n, "") for n in range(1, len(raw) + 1)]
+    first = 0
+    if raw and raw[0].strip() == "---":  # YAML front matter block at the very top
+        first = next((j + 1 for j in range(1, min(len(raw), _FRONT_MATTER_LINES)) if raw[j].strip() in ("---", "...")), 0)
+    tokens = MarkdownIt("commonmark").enable(["table", "strikethrough"]).parse("\n".join(raw[first:]))
+    in_item = 0
+    cells: list[str] = []
+    row_line = 0
+    for i, tok in enumerate(tokens):
+        if tok.type == "list_item_open":
+            in_item += 1
+        elif tok.type == "list_item_close":
+            in_item -= 1
+        elif tok.type == "tr_open":
+            cells, row_line = [], first + tok.map[0]
+        elif tok.type == "inline" and tokens[i - 1].type in ("th_open", "td_open"):
+            cells.append(" ".join(_inline_lines(tok)).strip())
+        elif tok.type == "tr_close" and cells:
+            out[row_line] = _Line(row_line + 1, ", ".join(c for c in cells if c), starts_paragraph=True)
+        elif tok.type == "inline" and tokens[i - 1].type == "heading_open":
+            n = first + tok.map[0]
+            out[n] = _Line(n + 1, " ".join(_inline_lines(tok)).strip(), level=int(tokens[i - 1].tag[1]))
+        elif tok.type == "inline" and tokens[i - 1].type == "paragraph_open":
+            if _FOOTNOTE_DEF.match(tok.content):
+                continue
+            for k, line in enumerate(_inline_lines(tok)):
+                n = first + tok.map[0] + k
+                out[n] = _Line(n + 1, line, starts_paragraph=bool(in_item) and k == 0)
+        elif tok.type in ("fence", "code_block"):
+            body = tok.map[0] + (1 if tok.type == "fence" else 0)
+            for k, line in enumerate(tok.content.split("\n")[:-1]):
+                n = first + body + k
+                out[n] = _Line(n + 1, line.strip(), starts_paragraph=True)
+        elif tok.type == "html_block":
+            for k, line in enumerate(tok.content.split("\n")[:-1]):
+                n = first + tok.map[0] + k
+                out[n] = _Line(n + 1, " ".join(_HTML_TAG.sub("", line).split()))
+    return out
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -210,58 +267,6 @@ class _Line:
         self.text = text
         self.level = level
         self.starts_paragraph = starts_paragraph
-
-
-def _markdown_lines(text: str) -> list[_Line]:
-    raw = text.split("\n")
-    out: list[_Line] = []
-    i = 0
-    # YAML front matter block at the very top.
-    if raw and raw[0].strip() == "---":
-        for j in range(1, min(len(raw), 60)):
-            if raw[j].strip() in ("---", "..."):
-                out.extend(_Line(k + 1, "") for k in range(j + 1))
-                i = j + 1
-                break
-    fence: str | None = None
-    while i < len(raw):
-        line, number = raw[i], i + 1
-        i += 1
-        m = _FENCE.match(line)
-        if fence is not None:
-            if m and m.group(1) == fence:
-                fence = None
-                out.append(_Line(number, ""))
-            else:
-                out.append(_Line(number, line.strip(), starts_paragraph=True))
-            continue
-        if m:
-            fence = m.group(1)
-            out.append(_Line(number, ""))
-            continue
-        if (h := _ATX.fullmatch(line)) is not None:
-            out.append(_Line(number, strip_inline_markdown(h.group(2) or "").strip(), level=len(h.group(1))))
-            continue
-        nxt = raw[i] if i < len(raw) else ""
-        prev_blank = not out or out[-1].text == "" and out[-1].level is None
-        if line.strip() and prev_blank and not _LIST_ITEM.match(line) and (s := _SETEXT.fullmatch(nxt)):
-            out.append(_Line(number, strip_inline_markdown(line).strip(), level=1 if s.group(1)[0] == "=" else 2))
-            out.append(_Line(number + 1, ""))
-            i += 1
-            continue
-        if _HR.fullmatch(line) or _LINK_DEF.fullmatch(line) or _TABLE_RULE.fullmatch(line) and "-" in line:
-            out.append(_Line(number, ""))
-            continue
-        starts = False
-        if (q := _QUOTE.match(line)) is not None:
-            line = line[q.end():]
-        if (li := _LIST_ITEM.match(line)) is not None:
-            line, starts = line[li.end():], True
-        if "|" in line and line.strip().startswith("|"):
-            cells = [c.strip() for c in line.strip().strip("|").split("|")]
-            line, starts = ", ".join(c for c in cells if c), True
-        out.append(_Line(number, strip_inline_markdown(line).rstrip(), starts_paragraph=starts))
-    return out
 
 
 def _plain_lines(text: str) -> list[_Line]:

@@ -31,6 +31,8 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
+from voxbatch.producer.cast import speaker
+from voxbatch.producer.lexicon import Lexicon
 from voxbatch.producer.normalize import Lang, detect_lang, is_only_punctuation, normalize_text
 from voxbatch.models import Chapter, Segment
 
@@ -143,16 +145,29 @@ def segment_chapter(
     length_fn: LengthFn | None = None,
     normalize: bool = True,
     rules: SplitRules = DEFAULT_RULES,
+    cast: dict[str, str] | None = None,
+    lexicon: Lexicon | None = None,
+    **overrides,
 ) -> list[Segment]:
+    """A chapter's segments. With a `cast`, a paragraph starting `Name:` is that voice's, prefix
+    removed (producer/cast.py); a `lexicon` rewrites terms after normalization, before splitting.
+    `overrides` (voice, speed, seed: a line item's own) go on every segment."""
     segments: list[Segment] = []
     for paragraph in paragraphs(chapter.text):
+        voice = overrides.get("voice")
+        if cast:
+            voice, paragraph = speaker(paragraph, cast)
+            voice = voice or overrides.get("voice")
         if is_only_punctuation(paragraph):
             continue  # scene breaks ("* * *"): TN would read the symbols out
         lang = detect_lang(paragraph)
         if normalize:
             paragraph = normalize_text(paragraph, lang)
+        if lexicon is not None:
+            paragraph = lexicon.apply(paragraph)
         for text in split_paragraph(paragraph, lang, length_fn, rules):
-            segments.append(Segment(chapter=chapter.index, index=len(segments), text=text))
+            segments.append(Segment(chapter=chapter.index, index=len(segments), text=text,
+                                    **{**overrides, "voice": voice}))
     return segments
 
 
@@ -161,6 +176,9 @@ def segment_chapters(
     length_fn: LengthFn | None = None,
     normalize: bool = True,
     rules: SplitRules = DEFAULT_RULES,
+    cast: dict[str, str] | None = None,
+    lexicon: Lexicon | None = None,
 ) -> list[Segment]:
     """All segments of a book in reading order; `Segment.index` is the position within its chapter."""
-    return [segment for chapter in chapters for segment in segment_chapter(chapter, length_fn, normalize, rules)]
+    return [segment for chapter in chapters
+            for segment in segment_chapter(chapter, length_fn, normalize, rules, cast, lexicon)]

@@ -15,12 +15,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from voxbatch import keys
-from voxbatch.models import JobSpec, RenderTask, Segment, SynthesisParams, TaskSegment, segment_seed
+from voxbatch.models import Chapter, JobSpec, RenderTask, Segment, SynthesisParams, TaskSegment, content_seed
+from voxbatch.reuse import is_builtin_voice
 from voxbatch.settings import AudioFormat, Settings
 from voxbatch.storage import Storage
-
-# The tone engine needs no voice profile; every other voice must exist in storage.
-BUILTIN_VOICES = frozenset({"tone"})
 
 # progress(stage, done, total): stage "segment" counts chapters, "enqueue" counts segments.
 Progress = Callable[[str, int, int], None]
@@ -41,7 +39,7 @@ def segment_length_fn(settings: Settings, voice: str, engine: str | None = None)
     here, as in `voxbatch submit`) or when no model directory is set (e.g. `voxbatch render` that lets
     the engine download the weights from a hub).
     """
-    if engine == "tone" or voice in BUILTIN_VOICES or not settings.model_dir:
+    if engine == "tone" or is_builtin_voice(voice) or not settings.model_dir:
         return None
     from voxbatch.worker.cosyvoice2.tokenizer import CosyVoice2Tokenizer
 
@@ -51,33 +49,69 @@ def segment_length_fn(settings: Settings, voice: str, engine: str | None = None)
 def plan_job(path: str | Path, voice: str, settings: Settings, *, name: str | None = None,
              fmt: AudioFormat | None = None, params: SynthesisParams | None = None,
              engine: str | None = None, length_fn: Callable[[str], int] | None = None,
-             progress: Progress | None = None) -> JobSpec:
+             cast: dict[str, str] | None = None, lexicon: str | Path | None = None, reuse: bool = True,
+             title: str | None = None, author: str | None = None, progress: Progress | None = None) -> JobSpec:
     """Read and segment a corpus into a job spec (nothing stored yet).
 
     `engine` is the engine that will render the job when the caller knows it (`voxbatch render`);
     `length_fn` overrides how text is measured, else `segment_length_fn(settings, voice, engine)`.
+    A `.jsonl`/`.csv` corpus is a line-item batch (producer/items.py); `cast` maps speaker names to
+    voices (producer/cast.py); `lexicon` is a .tsv/.pls file (producer/lexicon.py); `reuse=False`
+    renders every segment even where the content cache holds its audio (voxbatch/reuse.py).
+    `title`/`author` override the book's metadata (producer/metadata.py); with `settings.preset`
+    "acx", opening and closing credits become the first and last chapters of a book (their own files).
     """
-    from voxbatch.producer.readers import CorpusLimits, read_corpus
+    from voxbatch.producer.items import ITEM_SUFFIXES, ItemError, read_items
+    from voxbatch.producer.lexicon import load_lexicon
+    from voxbatch.producer.metadata import read_metadata
+    from voxbatch.producer.readers import CorpusLimits, check_corpus, read_corpus
     from voxbatch.producer.segment import segment_chapter
 
     path = Path(path)
     keys.check_name("voice name", voice)
-    chapters = read_corpus(path, CorpusLimits.from_settings(settings))
+    limits = CorpusLimits.from_settings(settings)
+    check_corpus(path, limits)  # before the metadata reader opens an EPUB
+    lex = load_lexicon(lexicon) if lexicon is not None else None
+    meta = read_metadata(path)
+    title = title or meta.title
+    author = author or meta.author
     if length_fn is None:
         length_fn = segment_length_fn(settings, voice, engine)
-    segments: list[Segment] = []
-    for i, chapter in enumerate(chapters):
-        new = segment_chapter(chapter, length_fn)
-        check_segments(new, len(segments) + len(new), chapter.source, settings)
-        segments.extend(new)
-        if progress is not None:
-            progress("segment", i + 1, len(chapters))
+    kind = "items" if path.is_file() and path.suffix.lower() in ITEM_SUFFIXES else "book"
+    if kind == "items":
+        items = read_items(path)
+        titles, segments = [], []
+        for i, item in enumerate(items):
+            chapter = Chapter(index=i, title=item.id, text=item.text, source=f"{path}:{item.line}")
+            segs = segment_chapter(chapter, length_fn, cast=cast, lexicon=lex,
+                                   **item.model_dump(include={"voice", "speed", "seed"}))
+            if not segs:
+                raise ItemError(f"{path}:{item.line}: item {item.id!r} has nothing to speak")
+            check_segments(segs, len(segments) + len(segs), f"{path}:{item.line}", settings)
+            titles.append(item.id)
+            segments.extend(segs)
+    else:
+        chapters = read_corpus(path, limits, all_spine=settings.epub_all_spine)
+        if settings.preset == "acx":
+            chapters = credit_chapters(chapters, title or name or path.stem, author, settings)
+        titles = [c.title for c in chapters]
+        segments = []
+        for i, chapter in enumerate(chapters):  # chapter by chapter: the limits stop a huge corpus early
+            new = segment_chapter(chapter, length_fn, cast=cast, lexicon=lex)
+            check_segments(new, len(segments) + len(new), chapter.source, settings)
+            segments.extend(new)
+            if progress is not None:
+                progress("segment", i + 1, len(chapters))
     if not segments:
         raise SubmitError(f"{path}: no text to synthesize after segmentation")
+    job_id = uuid.uuid4().hex[:12]
     return JobSpec(
-        id=uuid.uuid4().hex[:12], name=name or path.stem, voice=voice, format=fmt or settings.output_format,
-        params=params or SynthesisParams(), chapters=[c.title for c in chapters], segments=segments,
-        created_at=time.time(), source=str(path),
+        id=job_id, name=name or path.stem, voice=voice, format=fmt or settings.output_format,
+        params=params or SynthesisParams(), chapters=titles, segments=segments,
+        created_at=time.time(), source=str(path), kind=kind, cast=cast or {},
+        lexicon_sha256=lex.sha256 if lex else None, reuse=reuse,
+        preset=settings.preset, title=title, author=author,
+        cover_key=keys.cover(job_id, meta.cover_ext) if meta.cover else None,
     )
 
 
@@ -93,23 +127,54 @@ def check_segments(new: list[Segment], total: int, source: str, settings: Settin
                               f"{s.text[:40]!r}...")
 
 
+OPENING_CREDITS = "Opening Credits"
+CLOSING_CREDITS = "Closing Credits"
+
+
+def credit_chapters(chapters: list[Chapter], title: str, author: str | None, settings: Settings) -> list[Chapter]:
+    """The book's chapters between opening and closing credits (ACX: each its own file, same voice)."""
+    def fill(template: str | None, default: str) -> str:
+        # Plain replacement, not str.format: the template is user text and must not reach attributes.
+        if not template:
+            return default
+        return template.replace("{title}", title).replace("{author}", author or "")
+
+    by = f" Written by {author}." if author else ""
+    opening = fill(settings.credits_opening, f"{title}.{by}")
+    closing = fill(settings.credits_closing, f"The end. {title}.{by}")
+    body = [c.model_copy(update={"index": i + 1}) for i, c in enumerate(chapters)]
+    return [
+        Chapter(index=0, title=OPENING_CREDITS, text=opening, source="opening credits"),
+        *body,
+        Chapter(index=len(body) + 1, title=CLOSING_CREDITS, text=closing, source="closing credits"),
+    ]
+
+
 def render_tasks(spec: JobSpec, batch_size: int, segments: list[Segment] | None = None) -> Iterator[RenderTask]:
-    """The render tasks for a job (or for some of its segments), `batch_size` segments each."""
+    """The render tasks for a job (or for some of its segments), `batch_size` segments each.
+
+    A task has one voice and one set of params, so segments are grouped by those (cast members, line
+    items with their own voice or speed), in reading order within a group. Seeds come from the
+    content (`content_seed`) unless a line item names its own."""
     todo = spec.segments if segments is None else segments
-    for i in range(0, len(todo), batch_size):
-        yield RenderTask(
-            job_id=spec.id, voice=spec.voice, format=spec.format, params=spec.params,
-            segments=[
-                TaskSegment(id=s.id, chapter=s.chapter, text=s.text, key=keys.segment(spec.id, s.chapter, s.index,
-                                                                                      spec.format),
-                            seed=segment_seed(spec.id, s.id))
-                for s in todo[i: i + batch_size]
-            ],
-        )
+    groups: dict[tuple[str, SynthesisParams], list[Segment]] = {}
+    for s in todo:
+        groups.setdefault((spec.voice_of(s), spec.params_of(s)), []).append(s)
+    for (voice, params), segs in groups.items():
+        for i in range(0, len(segs), batch_size):
+            yield RenderTask(
+                job_id=spec.id, voice=voice, format=spec.format, params=params, reuse=spec.reuse,
+                segments=[
+                    TaskSegment(id=s.id, chapter=s.chapter, text=s.text,
+                                key=keys.segment(spec.id, s.chapter, s.index, spec.format),
+                                seed=s.seed if s.seed is not None else content_seed(s.text, voice, params))
+                    for s in segs[i: i + batch_size]
+                ],
+            )
 
 
 def check_voice(storage: Storage, voice: str) -> None:
-    if voice not in BUILTIN_VOICES and not storage.exists(keys.voice(voice)):
+    if not is_builtin_voice(voice) and not storage.exists(keys.voice(voice)):
         raise SubmitError(f"voice {voice!r} not found at {storage.describe(keys.voice(voice))}; "
                           f"create it with `voxbatch voice add {voice} --wav PROMPT.wav --text TRANSCRIPT`")
 
@@ -123,7 +188,22 @@ def spec_bytes(spec: JobSpec, settings: Settings) -> bytes:
     return data
 
 
+
+
+def check_voices(storage: Storage, spec: JobSpec) -> None:
+    """Every voice the job speaks in (narrator, cast, line items) exists, before anything is queued."""
+    for voice in dict.fromkeys([spec.voice, *spec.cast.values(), *(s.voice for s in spec.segments if s.voice)]):
+        check_voice(storage, voice)
+
+
 def store_spec(storage: Storage, spec: JobSpec, data: bytes | None = None) -> None:
+    """The spec, and beside it the book's cover image (read again from the corpus the spec names)."""
+    if spec.cover_key:
+        from voxbatch.producer.metadata import read_metadata
+
+        cover = read_metadata(spec.source).cover
+        if cover:
+            storage.put(spec.cover_key, cover, "image/png" if spec.cover_key.endswith(".png") else "image/jpeg")
     storage.put(keys.job_spec(spec.id), data or spec.model_dump_json(indent=1).encode(), "application/json")
 
 
@@ -145,7 +225,7 @@ def submit_job(spec: JobSpec, settings: Settings, storage: Storage, queue: str |
 
     data = spec_bytes(spec, settings)
     storage.check()
-    check_voice(storage, spec.voice)
+    check_voices(storage, spec)
     jobs = RedisJobStore.from_url(settings.broker_url)
     jobs.r.ping()
     configure_celery(settings)

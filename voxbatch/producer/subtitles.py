@@ -6,11 +6,17 @@ Cue times come from the assembler's sample positions, converted to whole millise
 
 from __future__ import annotations
 
+import re
 import textwrap
+import unicodedata
 from dataclasses import dataclass
 
-# Subtitle guidelines (BBC, Netflix) cap a line at about 42 characters.
+# Subtitle guidelines (BBC, Netflix) cap a line at about 42 characters; widths are in display columns,
+# where a CJK character takes two (Netflix's Chinese guideline: 16 characters a line, we allow 21).
 LINE_WIDTH = 42
+# Punctuation that must not open a line (kinsoku): it stays with the character before it.
+_NO_LINE_START = set("，。！？、；：」』）》〉】”’…—,.!?;:)]}")
+_UNIT = re.compile(r"\s+|[^\s]")
 
 
 @dataclass(frozen=True)
@@ -42,14 +48,71 @@ def vtt_time(ms: int) -> str:
     return _clock(ms, ".")
 
 
+def display_width(text: str) -> int:
+    """Columns a string takes on screen: East Asian wide and full-width characters count two."""
+    return sum(2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in text)
+
+
+def _is_wide(c: str) -> bool:
+    return unicodedata.east_asian_width(c) in "WF"
+
+
+def _units(text: str) -> list[str]:
+    """Breakable units: a wide character (with any closing punctuation after it), or a run of narrow
+    non-blank characters (a word), or a blank."""
+    out: list[str] = []
+    for tok in _UNIT.findall(text):
+        if out and tok in _NO_LINE_START:
+            out[-1] += tok
+        elif out and not tok.isspace() and not _is_wide(tok) and not out[-1].isspace() and not _is_wide(out[-1][-1]):
+            out[-1] += tok  # extend a narrow word
+        else:
+            out.append(tok)
+    return out
+
+
+def _greedy(units: list[str], width: int) -> list[str]:
+    lines: list[str] = []
+    line = ""
+    for u in units:
+        if u.isspace():
+            if line:
+                line += " "
+            continue
+        if line and display_width(line + u) > width:
+            lines.append(line.rstrip())
+            line = u
+        else:
+            line += u
+    if line.strip():
+        lines.append(line.rstrip())
+    return lines
+
+
+def _wrap_wide(text: str, width: int) -> list[str]:
+    units = _units(text)
+    lines = _greedy(units, width)
+    if len(lines) <= 1:
+        return lines
+    narrow = -(-display_width(text) // len(lines))
+    for w in range(narrow, width):
+        balanced = _greedy(units, w)
+        if len(balanced) == len(lines):
+            return balanced
+    return lines
+
+
 def wrap(text: str, width: int = LINE_WIDTH) -> list[str]:
-    """Lines of at most `width` characters, balanced so the last line is not a lone word.
+    """Lines of at most `width` display columns, balanced so the last line is not a lone word.
 
     Whitespace (newlines included) collapses, which also keeps a cue free of the blank lines
-    that would end it early in both formats. Text without spaces (Chinese, Japanese) is broken
-    every `width` characters.
+    that would end it early in both formats. Text with wide characters (Chinese, Japanese) breaks
+    between any two of them by display width (a CJK character is two columns), never before a
+    closing punctuation mark.
     """
     words = " ".join(text.split())
+    if any(_is_wide(c) for c in words):
+        return _wrap_wide(words, width)
     lines = textwrap.wrap(words, width=width, break_long_words=True, break_on_hyphens=False)
     if len(lines) <= 1:
         return lines

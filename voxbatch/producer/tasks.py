@@ -32,7 +32,8 @@ def assemble(self, job_id: str) -> dict:
         return {"job": job_id, "skipped": True}
     storage = open_storage(settings)
     try:
-        manifest = assemble_job(storage, load_spec(storage, job_id), jobs.failed(job_id), None, settings)
+        manifest = assemble_job(storage, load_spec(storage, job_id), jobs.failed(job_id), None, settings,
+                                jobs.reused_ids(job_id))
     except Exception as e:
         if self.request.retries >= MAX_RETRIES:
             log.error("job %s: assembly failed for good: %s", job_id, e)

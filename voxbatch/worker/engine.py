@@ -47,6 +47,11 @@ class Engine(ABC):
     # Most requests `synthesize` is given at once.
     max_batch: int = 64
 
+    def fingerprint(self) -> str:
+        """What, besides the request, determines this engine's audio (model files, numerics): part of
+        every cached segment's content hash (voxbatch/reuse.py), so audio is never reused across models."""
+        return self.name
+
     def warmup(self) -> None:
         """Run a small batch so kernels, graphs and caches are ready before the first task."""
         list(self.synthesize([SynthesisRequest("warmup", "Warm up.", "default", 0)]))

@@ -24,7 +24,7 @@ from voxbatch import keys
 from voxbatch.jobstate import MemoryJobStore
 from voxbatch.models import JobSpec, JobStatus, Manifest, SynthesisParams
 from voxbatch.producer.assemble import assemble_job
-from voxbatch.producer.submit import check_voice, load_spec, plan_job, render_tasks, store_spec
+from voxbatch.producer.submit import check_voices, load_spec, plan_job, render_tasks, store_spec
 from voxbatch.settings import AudioFormat, Settings
 from voxbatch.storage import LocalStorage, Storage
 from voxbatch.worker.engine import Engine, SynthesisRequest, build_engine
@@ -83,7 +83,9 @@ def check_ready(storage: Storage, engine: Engine, spec: JobSpec) -> None:
 
 def render_local(path: str | Path | None, out_dir: str | Path, voice: str | None, settings: Settings, *,
                  name: str | None = None, fmt: AudioFormat | None = None, params: SynthesisParams | None = None,
-                 engine: Engine | None = None, resume: str | None = None,
+                 engine: Engine | None = None, cast: dict[str, str] | None = None,
+                 lexicon: str | Path | None = None, reuse: bool = True, title: str | None = None,
+                 author: str | None = None, resume: str | None = None,
                  on_start: Callable[[JobSpec, int], None] | None = None,
                  on_progress: Callable[[JobStatus], None] | None = None) -> Manifest:
     """Render a corpus into `out_dir` (layout as in storage: jobs/<id>/...); returns the manifest.
@@ -102,9 +104,10 @@ def render_local(path: str | Path | None, out_dir: str | Path, voice: str | None
     else:
         if path is None or voice is None:
             raise ValueError("render needs a corpus path and a voice, or a job id to resume")
-        spec = plan_job(path, voice, settings, name=name, fmt=fmt, params=params, engine=engine_name)
+        spec = plan_job(path, voice, settings, name=name, fmt=fmt, params=params, engine=engine_name, cast=cast,
+                        lexicon=lexicon, reuse=reuse, title=title, author=author)
         spec = spec.model_copy(update={"id": stable_job_id(spec, engine_name, settings.model_dir)})
-    check_voice(storage, spec.voice)
+    check_voices(storage, spec)
     engine = engine or build_engine(settings)
     check_ready(storage, engine, spec)
     store_spec(storage, spec)
@@ -134,4 +137,4 @@ def _run(spec: JobSpec, storage: Storage, engine: Engine, settings: Settings,
         on_progress(jobs.status(spec.id))
     if not finished.is_set():
         raise RuntimeError(f"job {spec.id}: pipeline stopped before every segment finished")
-    return assemble_job(storage, spec, jobs.failed(spec.id), engine.sample_rate, settings)
+    return assemble_job(storage, spec, jobs.failed(spec.id), engine.sample_rate, settings, jobs.reused_ids(spec.id))

@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 from voxbatch.audio import content_type, encode, probe
 from voxbatch.jobstate import JobStore
 from voxbatch.models import RenderTask, TaskSegment
+from voxbatch.reuse import SegmentCache
 from voxbatch.settings import Settings
 from voxbatch.storage import Storage
 from voxbatch.worker.engine import Engine, SynthesisRequest, SynthesisResult
@@ -100,6 +101,7 @@ class Pipeline:
         self.engine, self.storage, self.jobs, self.settings = engine, storage, jobs, settings
         self.on_job_complete = on_job_complete
         self.metrics = metrics
+        self.cache = SegmentCache(storage, engine.fingerprint())
         self.intake: queue.Queue[SynthesisRequest | None] = queue.Queue()
         self.output: queue.Queue[SynthesisResult | None] = queue.Queue(maxsize=settings.output_queue_size)
         self._stop = threading.Event()
@@ -200,9 +202,21 @@ class Pipeline:
         if self.jobs.is_done(task.job_id, seg.id):
             return True
         if not self.storage.exists(seg.key):
-            return False
+            return task.reuse and self._reuse(task, seg)
         # Stored by an earlier delivery that died before recording it: record it now, don't re-render.
         self._record(task.job_id, seg.id, audio_s=probe(self.storage.get(seg.key), seg.key).duration_s)
+        return True
+
+    def _reuse(self, task: RenderTask, seg: TaskSegment) -> bool:
+        """Take the segment's audio from the content-addressed cache when it is there (reuse.py)."""
+        key = self.cache.key(task, seg)
+        try:
+            data = self.storage.get(key)
+            self.storage.copy(key, seg.key)
+        except KeyError:
+            return False
+        self.jobs.mark_reused(task.job_id, seg.id)
+        self._record(task.job_id, seg.id, audio_s=probe(data, key).duration_s)
         return True
 
     def _enqueue(self, handle: TaskHandle, seg: TaskSegment) -> None:
@@ -285,7 +299,9 @@ class Pipeline:
             return
         t0 = time.perf_counter()
         data = encode(result.audio, self.engine.sample_rate, task.format)
-        self.storage.put(seg.key, data, content_type(task.format))
+        cache_key = self.cache.key(task, seg)  # the cache first: stored under seg.key means cached too
+        self.storage.put(cache_key, data, content_type(task.format))
+        self.storage.copy(cache_key, seg.key)
         audio_s = len(result.audio) / self.engine.sample_rate
         if self.metrics is not None:
             self.metrics.segment_stored(audio_s, time.perf_counter() - t0)

@@ -159,6 +159,10 @@ class CosyVoice2Engine(Engine):
         self.samples_per_token = flow.dims.token_mel_ratio * hift.d.samples_per_frame  # 960 at 24 kHz
         self.end_of_prompt = tokenizer.token_id(END_OF_PROMPT)
         self.voices = VoiceCache(load_voice, self.prepare_voice, voice_cache_size)
+        # Set by from_model_dir: the model's files and placement make up the fingerprint.
+        self.model_dir: Path | None = None
+        self.placement: Placement | None = None
+        self._fingerprint: str | None = None
 
     # -- building ----------------------------------------------------------------------------------
 
@@ -217,7 +221,22 @@ class CosyVoice2Engine(Engine):
             flow.decoder.compile_estimator()  # compiled by warmup(), before the first task
         hift = HiFTGenerator.from_model_dir(model_dir, device=p.hift_device, dtype=p.hift_dtype)
         log.info("cosyvoice2 engine: %s; llm=%s on %s, flow on %s, hift on %s", model_dir, llm.name, p.llm_device, p.flow_device, p.hift_device)
-        return cls(tokenizer, llm, flow, hift, load_voice, dims.speech_token_size, max_batch=max_batch, flow_batch=flow_batch)
+        engine = cls(tokenizer, llm, flow, hift, load_voice, dims.speech_token_size, max_batch=max_batch, flow_batch=flow_batch)
+        engine.model_dir = Path(model_dir)
+        engine.placement = p
+        return engine
+
+    def fingerprint(self) -> str:
+        """Model files plus what changes the numbers (LLM backend, dtypes): a segment rendered in bf16
+        is not reused for an fp32 worker. Hashing the files takes seconds, so it is done once."""
+        if self._fingerprint is None:
+            from voxbatch.worker.cosyvoice2.model_files import model_digest
+
+            digest = model_digest(self.model_dir) if self.model_dir is not None else f"unsaved-{id(self)}"
+            p = self.placement
+            dtypes = "/".join(str(d) for d in (p.llm_dtype, p.flow_dtype, p.hift_dtype)) if p else "?"
+            self._fingerprint = f"cosyvoice2/{digest}/{self.llm.name}/{dtypes}"
+        return self._fingerprint
 
     # -- voices ------------------------------------------------------------------------------------
 
