@@ -23,6 +23,7 @@ from voxbatch.storage import Storage
 FORMAT = "voxbatch.voice/1"  # bump when the stored fields change meaning
 SPEAKER_EMBEDDING_DIM = 192  # CAM++
 N_MELS = 80
+NAME_RE = keys.NAME_RE  # what a voice name may be (the rule lives with the storage keys it becomes)
 
 
 class VoiceNotFoundError(LookupError):

@@ -31,6 +31,7 @@ file for ffmpeg (the mastered audio when a preset is set, at 44.1 kHz mono).
 
 from __future__ import annotations
 
+import re
 import logging
 import tempfile
 import threading
@@ -614,6 +615,11 @@ def _manifest_items(spec: JobSpec, by_chapter: dict[int, list[Segment]], deliver
     return out
 
 
+# A fetched key becomes a path below --out: printable, no backslash, so it cannot steer the terminal
+# or the path (S3 allows any bytes in a key, "../" and escape sequences included).
+_SAFE_NAME = re.compile(r"[^\x00-\x1f\x7f-\x9f\\]+")
+
+
 def fetch_job(storage: Storage, job_id: str, out_dir: str | Path) -> tuple[int, list[str]]:
     """Download every object under jobs/<id>/ into `out_dir`, keeping the layout below the job.
 
@@ -626,7 +632,11 @@ def fetch_job(storage: Storage, job_id: str, out_dir: str | Path) -> tuple[int, 
     prefix = keys.job_prefix(job_id)
     count, skipped = 0, []
     for key in storage.list(prefix):
-        target = (out / key[len(prefix):]).resolve()
+        rest = key[len(prefix):]
+        if not _SAFE_NAME.fullmatch(rest) or any(part in ("", ".", "..") for part in rest.split("/")):
+            skipped.append(f"skipped {ascii(storage.describe(key))}: not a safe file name")
+            continue
+        target = (out / rest).resolve()
         if out not in target.parents:
             skipped.append(f"skipped {storage.describe(key)}: it would land outside {out}")
             continue

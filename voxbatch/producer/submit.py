@@ -72,9 +72,6 @@ def plan_job(path: str | Path, voice: str, settings: Settings, *, name: str | No
     limits = CorpusLimits.from_settings(settings)
     check_corpus(path, limits)  # before the metadata reader opens an EPUB
     lex = load_lexicon(lexicon) if lexicon is not None else None
-    meta = read_metadata(path)
-    title = title or meta.title
-    author = author or meta.author
     if length_fn is None:
         length_fn = segment_length_fn(settings, voice, engine)
     kind = "items" if path.is_file() and path.suffix.lower() in ITEM_SUFFIXES else "book"
@@ -92,6 +89,10 @@ def plan_job(path: str | Path, voice: str, settings: Settings, *, name: str | No
             segments.extend(segs)
     else:
         chapters = read_corpus(path, limits, all_spine=settings.epub_all_spine)
+    meta = read_metadata(path)  # after read_corpus, which refuses a malformed EPUB in one line
+    title = title or meta.title
+    author = author or meta.author
+    if kind == "book":
         if settings.preset == "acx":
             chapters = credit_chapters(chapters, title or name or path.stem, author, settings)
         titles = [c.title for c in chapters]
