@@ -401,7 +401,6 @@ def run_pipeline(engines: list[Engine], corpus: list[Segment], out_dir: Path, qu
     `forced_lengths`: one task per segment whose max_tokens is the segment's planned speech tokens, for
     an engine that reads the length from the request (the worker's CosyVoice2Engine; random weights
     never stop). BenchEngine forces the lengths itself, in tasks of 16."""
-    from voxbatch import keys
     from voxbatch.jobstate import MemoryJobStore
     from voxbatch.models import RenderTask, SynthesisParams, TaskSegment, segment_id
     from voxbatch.settings import Settings
@@ -413,7 +412,7 @@ def run_pipeline(engines: list[Engine], corpus: list[Segment], out_dir: Path, qu
     jobs = MemoryJobStore()
     job = f"bench-{int(time.time() * 1000)}"
     jobs.create(job, "bench", "bench", fmt, len(corpus), time.time())
-    segs = [TaskSegment(id=segment_id(0, i), chapter=0, text=s.text, key=keys.segment(job, 0, i, fmt), seed=1000 + i)
+    segs = [TaskSegment(id=segment_id(0, i), chapter=0, text=s.text, seed=1000 + i)
             for i, s in enumerate(corpus)]
     metrics = StoreTimes()
     pipes, handles = [], []

@@ -19,7 +19,8 @@ import pytest
 from voxbatch.audio import encode
 from voxbatch.celery_app import ASSEMBLE_TASK, configure_celery, send_assemble
 from voxbatch.jobstate import RedisJobStore
-from voxbatch.models import RenderTask, SynthesisParams, TaskSegment
+from voxbatch import keys
+from voxbatch.models import RenderTask, SynthesisParams, TaskSegment, segment_id
 from voxbatch.settings import Settings
 from voxbatch.storage import LocalStorage
 from voxbatch.worker.pipeline import Pipeline
@@ -111,8 +112,8 @@ def test_concurrent_last_finishes_through_worker_pipelines_enqueue_one_assemble(
         jobs.finish(job_id, "early-1", error="failed for good")
         tasks = []
         for i in range(RACERS):
-            seg = TaskSegment(id=f"s{i}", chapter=0, text="x", key=f"jobs/{job_id}/segments/0/{i}.wav", seed=i)
-            storage.put(seg.key, wav)
+            seg = TaskSegment(id=segment_id(0, i), chapter=0, text="x", seed=i)
+            storage.put(keys.segment(job_id, 0, i, "wav"), wav)
             tasks.append(RenderTask(job_id=job_id, voice="tone", format="wav", params=SynthesisParams(),
                                     segments=[seg]))
         handles = race(RACERS, lambda i: pipelines[i % 4].submit(tasks[i]))

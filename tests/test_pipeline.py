@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from voxbatch import keys
 from voxbatch.producer.submit import render_tasks
 from voxbatch.jobstate import MemoryJobStore
 from voxbatch.models import JobSpec, Segment
@@ -76,7 +77,7 @@ def test_failing_segment_retried_then_recorded_failed(tmp_path):
     assert status.done == 3 and status.failed == 1 and status.state == "assembling"
     assert "asks the tone engine to fail" in status.errors[bad.id]
     assert jobs.begin_attempt("job1", bad.id) == 4  # three attempts were made
-    assert not storage.exists(next(t for t in render_tasks(spec, 4)).segments[-1].key)
+    assert not storage.exists(keys.segment(spec.id, bad.chapter, bad.index, spec.format))
 
 
 def test_redelivered_task_skips_stored_segments_and_records_them(tmp_path):
@@ -100,3 +101,89 @@ def test_backoff_is_jittered_and_capped(attempt):
     values = [backoff_s(attempt, 100, 2000) for _ in range(200)]
     assert all(0 <= v <= min(2.0, 0.1 * 2 ** (attempt - 1)) for v in values)
     assert len(set(values)) > 100
+
+
+class FlakyStorage(LocalStorage):
+    """A local folder that refuses connections while `down` is set, as S3 does while it is stopped."""
+
+    def __init__(self, root):
+        super().__init__(root)
+        self.down = threading.Event()
+        self.refused = 0
+
+    def _check(self):
+        if self.down.is_set():
+            from botocore.exceptions import EndpointConnectionError
+
+            self.refused += 1
+            raise EndpointConnectionError(endpoint_url="http://127.0.0.1:1/")
+
+    def put(self, key, data, content_type="application/octet-stream"):
+        self._check()
+        super().put(key, data, content_type)
+
+    def exists(self, key):
+        self._check()
+        return super().exists(key)
+
+
+def test_storage_outage_costs_no_attempt_and_loses_nothing(tmp_path):
+    """Uploads meet a 2-s outage: they wait with their audio and land afterwards, one attempt each."""
+    spec = make_job(24)
+    storage = FlakyStorage(tmp_path)
+    storage.down.set()
+    threading.Timer(2.0, storage.down.clear).start()
+    settings = Settings(batch_size=8, upload_threads=2, max_attempts=1)
+    t0 = time.monotonic()
+    _, jobs, _ = run(spec, storage, settings)
+    assert time.monotonic() - t0 >= 1.9 and storage.refused > 0
+    status = jobs.status("job1")
+    assert (status.done, status.failed) == (24, 0)
+    assert all(jobs.begin_attempt("job1", s.id) == 2 for s in spec.segments)  # exactly one attempt was made
+
+
+def test_storage_outage_longer_than_the_window_fails_with_the_outage_as_reason(tmp_path):
+    spec = make_job(3)
+    storage = FlakyStorage(tmp_path)
+    settings = Settings(batch_size=3, outage_window_s=0.5, max_attempts=3)
+    jobs = MemoryJobStore()
+    jobs.create(spec.id, spec.name, spec.voice, spec.format, 3, 0.0)
+    with Pipeline(ToneEngine(), storage, jobs, settings, lambda _j: None) as pipeline:
+        handle = pipeline.submit(next(render_tasks(spec, 3)))  # the stored-check passes, then storage goes
+        storage.down.set()
+        assert handle.wait(30)
+    status = jobs.status("job1")
+    assert status.failed == 3 and all("storage outage" in e and "EndpointConnectionError" in e
+                                      for e in status.errors.values())
+    assert all(jobs.begin_attempt("job1", s.id) == 2 for s in spec.segments)  # one render each, no re-render
+
+
+def test_segment_text_over_the_bound_is_failed_without_rendering(tmp_path):
+    spec = make_job(2)
+    long = Segment(chapter=0, index=2, text="word " * 300)
+    spec = spec.model_copy(update={"segments": [*spec.segments, long]})
+    engine = ToneEngine()
+    seen = []
+    original = engine.synthesize
+    engine.synthesize = lambda batch: (seen.extend(r.segment_id for r in batch), original(batch))[1]
+    _, jobs, _ = run(spec, LocalStorage(tmp_path), Settings(batch_size=3, max_segment_chars=1000), engine=engine)
+    status = jobs.status("job1")
+    assert status.done == 2 and "over max_segment_chars" in status.errors[long.id]
+    assert long.id not in seen
+
+
+def test_a_pipeline_thread_that_dies_ends_the_process(tmp_path):
+    """Not a zombie: an engine loop that raises is reported through `on_thread_death` (the worker
+    process exits there, so its launcher or orchestrator restarts it)."""
+
+    class Broken(ToneEngine):
+        def serve(self, *args, **kwargs):
+            raise RuntimeError("engine loop bug")
+
+    died = threading.Event()
+    names = []
+    pipeline = Pipeline(Broken(), LocalStorage(tmp_path), MemoryJobStore(), Settings(),
+                        lambda _j: None, on_thread_death=lambda name: (names.append(name), died.set()))
+    pipeline.start()
+    assert died.wait(10) and names == ["engine"]
+    pipeline.stop(1)

@@ -3,9 +3,11 @@
 The producer sends tasks by name (`send_task`), so it never imports worker code; the worker and the
 assembler register their tasks against this same `app` object. Settings that matter for not losing
 work: JSON only; acks late and rejected-on-worker-lost, so a crashed worker's task goes back to the
-queue; prefetch 1, so a worker does not hoard tasks other workers could run; a visibility timeout
-above the longest task (else a healthy task is delivered twice) and a short unacked-restore interval
-(kombu's default re-checks only every ~100 s, so a SIGKILLed worker's task would idle that long).
+queue; prefetch 1, so a worker does not hoard tasks other workers could run; a short visibility
+timeout that running tasks keep extending (voxbatch/broker.py's heartbeat), so a SIGKILLed worker's
+tasks come back within it, and a short unacked-restore interval (kombu's default re-checks only
+every ~100 s). On Redis the transport is voxbatch/broker.py's, which drops undecodable list entries
+instead of dying on them.
 
 Shutdown: Celery 5 treats SIGTERM (and a first SIGINT) as a *warm* shutdown: stop consuming, then
 wait for the running tasks without limit. Its `worker_soft_shutdown_timeout` bounds only the *cold*
@@ -37,8 +39,11 @@ def shutdown_window_s(settings: Settings) -> float:
 
 
 def configure_celery(settings: Settings) -> Celery:
+    redis_broker = settings.broker_url.startswith(("redis://", "rediss://", "unix://"))
     app.conf.update(
         broker_url=settings.broker_url,
+        broker_transport="voxbatch.broker:Transport" if redis_broker else None,
+        worker_consumer="voxbatch.broker:Consumer",
         task_serializer="json",
         accept_content=["json"],
         result_serializer="json",
@@ -46,6 +51,9 @@ def configure_celery(settings: Settings) -> Celery:
         result_backend=None,
         task_acks_late=True,
         task_reject_on_worker_lost=True,
+        # Only a bug fails a render task now (outages are waited out, bad messages discarded without
+        # raising). Acking or rejecting it is the same on Redis (kombu drops a message rejected
+        # without requeue); the sweeper re-enqueues any segment such a task leaves unfinished.
         task_acks_on_failure_or_timeout=True,
         worker_prefetch_multiplier=1,
         worker_send_task_events=False,

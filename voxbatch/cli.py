@@ -248,11 +248,12 @@ def status(job: str, watch: bool = typer.Option(False, help="progress bar until 
     from voxbatch.producer.control import watch as watch_job
 
     from voxbatch.keys import check_name
+    from voxbatch.storage import open_storage
 
     check_name("job id", job)
     settings = _settings()
     jobs = _jobs(settings)
-    s = watch_job(jobs, job, console, settings) if watch else get_status(jobs, job)
+    s = watch_job(jobs, job, console, settings) if watch else get_status(jobs, job, open_storage(settings))
     console.print(status_table(s, jobs))
     if watch:
         raise typer.Exit(_job_exit(s))
@@ -274,11 +275,10 @@ def cancel(job: str):
 
 @app.command()
 def retry(job: str, queue: Optional[str] = typer.Option(None, help="render queue")):
-    """Re-enqueue only the failed or missing segments of a job."""
+    """Re-enqueue only the failed or missing segments of a job (rebuilt from storage if Redis lost it)."""
+    from voxbatch.keys import check_name
     from voxbatch.producer.control import retry_job
     from voxbatch.storage import open_storage
-
-    from voxbatch.keys import check_name
 
     settings = _settings()
     n = retry_job(_jobs(settings), open_storage(settings), settings, check_name("job id", job), queue)
@@ -334,13 +334,19 @@ def worker(gpus: Optional[str] = typer.Option(None, help="comma-separated GPU id
 
 @app.command()
 def assembler(concurrency: int = typer.Option(2, help="assemble tasks at once")):
-    """Start the CPU assembler: chapters, manifest, subtitles and m4b once a job's last segment lands."""
+    """Start the CPU assembler: chapters, manifest, subtitles and m4b once a job's last segment lands;
+    also sweeps for segments nothing will finish and re-enqueues them."""
     import voxbatch.producer.tasks  # noqa: F401 - registers voxbatch.assemble
+    from voxbatch.broker import install_heartbeat
     from voxbatch.celery_app import app as celery_app
     from voxbatch.celery_app import configure_celery
+    from voxbatch.producer.sweeper import start_sweeper
+    from voxbatch.storage import open_storage
 
     settings = _settings()
     configure_celery(settings)
+    install_heartbeat(settings.broker_url, settings.task_heartbeat_s)
+    start_sweeper(_jobs(settings), open_storage(settings), settings)
     celery_app.worker_main(["worker", "--pool", "threads", "--concurrency", str(concurrency), "--queues",
                             settings.assemble_queue, "--hostname", "voxbatch-assembler@%h",
                             "--without-gossip", "--without-mingle", "--loglevel", "INFO"])
@@ -415,8 +421,18 @@ def render(path: Optional[Path] = typer.Argument(None, help="corpus (.txt, .md, 
                   soft_wrap=True)
     for seg, error in list(manifest.failed.items())[:5]:
         _warn(f"segment {seg} failed: {error}")
+    _exit_on_qc_failures(manifest)
     if manifest.state != "completed":
         raise typer.Exit(EXIT_FAILURES)
+
+
+def _exit_on_qc_failures(manifest) -> None:
+    """A preset was asked and some chapter file is outside it: say which, exit 1 (never shipped silently)."""
+    failing = [row.key for row in manifest.qc if not row.passed]
+    if failing:
+        err.print(f"QC: {len(failing)} of {len(manifest.qc)} file(s) fail preset {manifest.preset} "
+                  f"(voxbatch qc {manifest.job_id})", highlight=False, soft_wrap=True)
+        raise typer.Exit(1)
 
 
 @app.command()

@@ -5,7 +5,8 @@ Redis key layout (all keys of a job share the `{<job>}` hash tag, so a job lives
     vb:jobs                     zset   job id -> created_at                 (`voxbatch jobs`)
     vb:load                     string segments queued + reserved + running, all jobs (autoscaling signal)
     vb:job:{<job>}              hash   name, voice, format, state, total, done, failed, audio_ms,
-                                       created_at, updated_at, assemble (0/1: the one assemble claimed)
+                                       created_at, updated_at, assemble (0/1: the one assemble claimed),
+                                       swept, swept_at (segments the sweeper re-enqueued, and when last)
     vb:job:{<job>}:done         set    ids of segments stored
     vb:job:{<job>}:failed       hash   segment id -> final error
     vb:job:{<job>}:attempts     hash   segment id -> attempts started (survives worker crashes); an attempt
@@ -22,6 +23,9 @@ A job hash may also hold `reason`: why a job ended `failed` (e.g. the assembler 
 Every step that touches several keys is one Lua script, so two workers finishing the last two
 segments at the same moment cannot both (or neither) enqueue the assembly: `finish` returns 1 to
 exactly one caller, the one that moved the job to `assembling`.
+
+`MemoryJobStore` keeps the same state machine in one process for `voxbatch render`; the contract
+tests (tests/test_jobstate_contract.py) run the same cases against both, so the two cannot drift.
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ if outcome == 'done' then
   redis.call('HINCRBY', KEYS[1], 'done', 1)
   redis.call('HINCRBY', KEYS[1], 'audio_ms', tonumber(ARGV[3]))
 else
-  if redis.call('HSET', KEYS[3], seg, ARGV[4]) == 0 then return -2 end
+  if redis.call('HSETNX', KEYS[3], seg, ARGV[4]) == 0 then return -2 end
   redis.call('HINCRBY', KEYS[1], 'failed', 1)
   redis.call('DECR', KEYS[4])
 end
@@ -158,6 +162,23 @@ class JobStore(ABC):
     @abstractmethod
     def status(self, job_id: str) -> JobStatus | None: ...
 
+    @abstractmethod
+    def done_ids(self, job_id: str) -> set[str]:
+        """Ids of the segments recorded stored."""
+
+    @abstractmethod
+    def failed(self, job_id: str) -> dict[str, str]:
+        """Segment id -> final error, for the segments recorded failed."""
+
+    @abstractmethod
+    def cancel(self, job_id: str) -> int:
+        """Cancel a job: 1 when cancelled now, 0 when it had already finished, -1 when unknown."""
+
+    @abstractmethod
+    def reopen(self, job_id: str, seg_ids: list[str]) -> int:
+        """Re-open a job for the given segments (failed or missing; done ones are left alone), with
+        fresh attempts; returns how many were re-opened, -1 when the job is unknown."""
+
 
 class RedisJobStore(JobStore):
     def __init__(self, client: redis.Redis):
@@ -245,6 +266,21 @@ class RedisJobStore(JobStore):
         keys = [self._k(job_id, p) for p in ("", "done", "failed", "attempts", "errors")] + ["vb:load"]
         return int(self._reopen(keys=keys, args=[time.time(), *seg_ids]))
 
+    def note_swept(self, job_id: str, n: int) -> None:
+        """Record that the sweeper re-enqueued `n` of the job's segments (shown by `voxbatch status`)."""
+        with self.r.pipeline(transaction=True) as p:
+            p.hincrby(self._k(job_id), "swept", n)
+            p.hset(self._k(job_id), "swept_at", time.time())
+            p.execute()
+
+    def progress(self, job_ids: list[str]) -> dict[str, tuple[str, int, int, int]]:
+        """job id -> (state, total, done, failed) for the jobs that exist, in one round trip."""
+        with self.r.pipeline(transaction=False) as p:
+            for job_id in job_ids:
+                p.hmget(self._k(job_id), "state", "total", "done", "failed")
+            rows = p.execute()
+        return {j: (r[0], int(r[1]), int(r[2]), int(r[3])) for j, r in zip(job_ids, rows) if r[0] is not None}
+
     def status(self, job_id: str) -> JobStatus | None:
         h = self.r.hgetall(self._k(job_id))
         if not h:
@@ -254,6 +290,7 @@ class RedisJobStore(JobStore):
             id=job_id, name=h["name"], state=h["state"], total=int(h["total"]), done=int(h["done"]),
             failed=int(h["failed"]), audio_s=int(h["audio_ms"]) / 1000, created_at=float(h["created_at"]),
             updated_at=float(h["updated_at"]), errors=errors, reused=int(self.r.scard(self._k(job_id, "reused"))),
+            swept=int(h.get("swept", 0)),
             reason=h.get("reason"),
         )
 
@@ -350,6 +387,36 @@ class MemoryJobStore(JobStore):
     def failed(self, job_id: str) -> dict[str, str]:
         with self._lock:
             return dict(self._jobs[job_id]["failed"])
+
+    def done_ids(self, job_id: str) -> set[str]:
+        with self._lock:
+            return set(self._jobs[job_id]["done"])
+
+    def cancel(self, job_id: str) -> int:
+        with self._lock:
+            j = self._jobs.get(job_id)
+            if j is None:
+                return -1
+            if j["state"] in ("completed", "completed_with_errors", "cancelled"):
+                return 0
+            j["state"], j["updated_at"] = "cancelled", time.time()
+            return 1
+
+    def reopen(self, job_id: str, seg_ids: list[str]) -> int:
+        with self._lock:
+            j = self._jobs.get(job_id)
+            if j is None:
+                return -1
+            n = 0
+            for seg in seg_ids:
+                if seg not in j["done"]:
+                    j["failed"].pop(seg, None)
+                    j["attempts"].pop(seg, None)
+                    j["errors"].pop(seg, None)
+                    n += 1
+            if n > 0 or j["state"] in ("cancelled", "assembling"):
+                j["state"], j["assemble"], j["updated_at"] = "running", False, time.time()
+            return n
 
     def mark_reused(self, job_id: str, seg_id: str) -> None:
         with self._lock:

@@ -14,7 +14,13 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from voxbatch.settings import AudioFormat, PresetName
 
 JobState = Literal["queued", "running", "assembling", "completed", "completed_with_errors", "cancelled", "failed"]
-SegmentState = Literal["pending", "done", "failed"]
+
+# Ids that become parts of storage keys and Redis keys: no separators, dots or spaces, bounded length.
+JOB_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$"
+SEGMENT_ID_PATTERN = r"^[0-9]{4,7}-[0-9]{5,7}$"
+# Largest segment text a render message may carry at all; the worker's own, lower bound on what the
+# model can speak is `Settings.max_segment_chars`.
+MESSAGE_TEXT_MAX_CHARS = 20_000
 
 
 class Frozen(BaseModel):
@@ -62,7 +68,7 @@ class Segment(Frozen):
 
     chapter: int = Field(ge=0)  # the item's position for a line-item batch
     index: int = Field(ge=0)  # position within the chapter
-    text: str = Field(min_length=1)  # what is spoken (normalized, lexicon applied, cast prefix removed)
+    text: str = Field(min_length=1, max_length=MESSAGE_TEXT_MAX_CHARS)  # what is spoken (normalized, lexicon applied, cast prefix removed)
     # Per-segment overrides (cast members, line items); None means the job's voice / speed / a seed
     # derived from the content (`content_seed`).
     voice: str | None = None
@@ -79,9 +85,13 @@ def segment_id(chapter: int, index: int) -> str:
     return f"{chapter:04d}-{index:05d}"
 
 
-def segment_seed(job_id: str, seg_id: str) -> int:
-    """Per-segment sampling seed derived from (job, segment): a re-rendered segment is identical."""
-    return int.from_bytes(hashlib.blake2b(f"{job_id}/{seg_id}".encode(), digest_size=4).digest(), "little")
+def parse_segment_id(seg_id: str) -> tuple[int, int]:
+    """(chapter, index) of a segment id made by `segment_id`; ValueError for anything else."""
+    chapter, _, index = seg_id.partition("-")
+    if not (chapter.isascii() and chapter.isdigit() and index.isascii() and index.isdigit()
+            and len(seg_id) <= 15 and segment_id(int(chapter), int(index)) == seg_id):
+        raise ValueError(f"not a segment id: {seg_id[:40]!r}")
+    return int(chapter), int(index)
 
 
 def content_seed(text: str, voice: str, params: "SynthesisParams") -> int:
@@ -95,7 +105,7 @@ def content_seed(text: str, voice: str, params: "SynthesisParams") -> int:
 class JobSpec(Frozen):
     """The job as submitted; stored at jobs/<id>/job.json before any task is enqueued."""
 
-    id: str
+    id: str = Field(pattern=JOB_ID_PATTERN)
     name: str
     voice: str
     format: AudioFormat = "wav"
@@ -122,25 +132,35 @@ class JobSpec(Frozen):
     def params_of(self, seg: Segment) -> SynthesisParams:
         return self.params if seg.speed is None else self.params.model_copy(update={"speed": seg.speed})
 
+    def seed_of(self, seg: Segment) -> int:
+        """The segment's sampling seed: its own (a line item's), else derived from its content."""
+        return seg.seed if seg.seed is not None else content_seed(seg.text, self.voice_of(seg), self.params_of(seg))
+
 
 class TaskSegment(Frozen):
-    """A segment as a render task carries it."""
+    """A segment as a render task carries it. No storage key: the worker derives it (voxbatch/keys.py)."""
 
-    id: str
-    chapter: int
-    text: str
-    key: str  # final storage key of the audio
-    seed: int
+    id: str = Field(pattern=SEGMENT_ID_PATTERN)
+    chapter: int = Field(ge=0, le=9_999_999)
+    text: str = Field(min_length=1, max_length=MESSAGE_TEXT_MAX_CHARS)
+    seed: int = Field(ge=0, lt=2**32)
+
+    @model_validator(mode="after")
+    def _chapter_matches_id(self) -> "TaskSegment":
+        if parse_segment_id(self.id)[0] != self.chapter:
+            raise ValueError(f"segment {self.id} is not in chapter {self.chapter}")
+        return self
 
 
 class RenderTask(Frozen):
-    """Payload of `voxbatch.render`: a small batch of segments of one job."""
+    """Payload of `voxbatch.render`: a small batch of segments of one job. Untrusted when it comes
+    from the broker: the worker checks it against the job's stored spec (worker/messages.py)."""
 
-    job_id: str
-    voice: str
+    job_id: str = Field(pattern=JOB_ID_PATTERN)
+    voice: str = Field(max_length=200)
     format: AudioFormat
     params: SynthesisParams
-    segments: list[TaskSegment] = Field(min_length=1)
+    segments: list[TaskSegment] = Field(min_length=1, max_length=1024)
     # Look up the content-addressed cache (cache/<hash>.<fmt>) before rendering; stored audio is
     # written to the cache either way.
     reuse: bool = True
@@ -240,6 +260,8 @@ class JobStatus(Frozen):
     updated_at: float
     errors: dict[str, str] = {}
     reason: str | None = None  # why the job failed, when the job itself (not a segment) did
+    # Segments the sweeper found neither done, failed, queued nor in flight, and re-enqueued.
+    swept: int = 0
     reused: int = 0  # segments taken from the content-addressed cache instead of rendered
 
     @property

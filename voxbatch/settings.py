@@ -85,9 +85,13 @@ class Settings(BaseSettings):
     task_concurrency: int = Field(4, ge=1)
 
     # Failure handling: a segment is retried this many times in all before it is recorded failed.
+    # Only errors of the segment itself (the engine failed on it) count; outages never do.
     max_attempts: int = Field(3, ge=1)
     retry_backoff_ms: int = Field(500, ge=0)
     retry_backoff_max_ms: int = Field(30_000, ge=0)
+    # How long a rendered segment keeps its audio and retries its upload through a storage outage
+    # before it is recorded failed with the outage as its reason. Redis outages are waited out.
+    outage_window_s: float = Field(900.0, ge=0.0)
     # Longest segment text (characters) a worker renders: about what the model can speak in one go
     # (CosyVoice2: ~80 text tokens per segment by the official rules, speech tokens capped at 20x
     # text tokens within the LLM context). A longer one is recorded failed, never rendered.
@@ -96,8 +100,15 @@ class Settings(BaseSettings):
     # On SIGTERM a worker finishes in-flight segments for this long (capped at the visibility
     # timeout), then hands unfinished tasks back to the queue and exits.
     shutdown_window_s: float = Field(60.0, ge=0.0)
-    # Broker visibility timeout: must exceed the longest task, or a healthy task runs twice.
-    visibility_timeout_s: int = Field(3600, ge=10)
+    # Broker visibility timeout: a task held this long without a heartbeat goes back to the queue.
+    # Workers refresh their running tasks every `task_heartbeat_s`, so it bounds how long a dead
+    # worker's tasks wait, not how long a task may run.
+    visibility_timeout_s: int = Field(120, ge=10)
+    # How often a worker marks the tasks it is running as alive (well under the visibility timeout).
+    task_heartbeat_s: float = Field(10.0, gt=0)
+    # The sweeper (in `voxbatch assembler`): how often it looks for segments that are neither done,
+    # failed, queued nor in flight; one missing in two looks in a row is re-enqueued.
+    sweep_interval_s: float = Field(30.0, gt=0)
     # How often kombu restores unacked messages of dead workers (its default is ~100 s).
     unacked_restore_interval_s: float = Field(5.0, gt=0)
 

@@ -63,31 +63,64 @@ def wait_until(check, timeout_s: float, what: str, interval_s: float = 0.1):
     raise TimeoutError(f"{what} not ready after {timeout_s}s (last error: {last})")
 
 
+# Redis persistence as compose.yaml and infra/k8s/redis.yaml ship it (tests/test_deploy_manifests.py
+# checks they agree): an append-only file fsynced every second, so a restart keeps the queues, the
+# unacked tasks and the job state, losing at most the last second of writes.
+SHIPPED_PERSISTENCE = ("--appendonly", "yes", "--appendfsync", "everysec")
+NO_PERSISTENCE = ("--save", "", "--appendonly", "no")
+
+
 @dataclass
 class Redis:
     url: str
     proc: subprocess.Popen
+    port: int
+    workdir: Path
+    persistence: tuple[str, ...] = NO_PERSISTENCE
 
     def stop(self) -> None:
         self.proc.terminate()
         self.proc.wait(10)
 
+    def kill(self) -> None:
+        """SIGKILL: what a crashed node or an OOM kill does (no final AOF rewrite, no save)."""
+        self.proc.kill()
+        self.proc.wait(10)
 
-def start_redis(workdir: Path) -> Redis:
+    def restart(self, persistence: tuple[str, ...] | None = None, down_s: float = 0.0) -> None:
+        """Kill the server and start a new one on the same port and folder (with `persistence`, by
+        default the same as before): with the AOF it reloads its data, without it starts empty."""
+        self.kill()
+        time.sleep(down_s)
+        if persistence is not None:
+            self.persistence = persistence
+        self.proc = _redis_process(self.port, self.workdir, self.persistence)
+        _wait_redis(self.port)
+
+
+def _redis_process(port: int, workdir: Path, persistence: tuple[str, ...]) -> subprocess.Popen:
     binary = shutil.which("redis-server")
     if binary is None:
         missing("redis-server")
-    port = free_port()
-    proc = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", str(workdir), "--maxmemory-policy", "noeviction"],
+    return subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(workdir), "--maxmemory-policy",
+         "noeviction", "--save", "", *persistence],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
+
+
+def _wait_redis(port: int) -> None:
     import redis
 
     client = redis.Redis(port=port)
-    wait_until(client.ping, 10, "redis-server")
-    return Redis(f"redis://127.0.0.1:{port}/0", proc)
+    wait_until(client.ping, 30, "redis-server")  # BusyLoadingError while an AOF loads: keep polling
+
+
+def start_redis(workdir: Path, persistence: tuple[str, ...] = NO_PERSISTENCE) -> Redis:
+    port = free_port()
+    proc = _redis_process(port, workdir, persistence)
+    _wait_redis(port)
+    return Redis(f"redis://127.0.0.1:{port}/0", proc, port, workdir, persistence)
 
 
 @dataclass
@@ -95,6 +128,7 @@ class SeaweedS3:
     endpoint: str
     proc: subprocess.Popen
     log: Path
+    cmd: list[str]
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -102,6 +136,19 @@ class SeaweedS3:
             self.proc.wait(15)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+            self.proc.wait(10)
+
+    def start(self) -> None:
+        """Start the server again on the same ports and data folder (after `stop`: an outage)."""
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log.open("ab"), stderr=subprocess.STDOUT)
+
+        def ready() -> bool:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"weed exited: {self.log.read_text()[-2000:]}")
+            self.client().list_buckets()
+            return True
+
+        wait_until(ready, 90, "SeaweedFS S3", interval_s=0.2)
 
     def client(self):
         import boto3
@@ -141,14 +188,12 @@ def start_seaweed(workdir: Path) -> SeaweedS3:
     data.mkdir()
     p = _weed_base_port()
     log = workdir / "weed.log"
-    proc = subprocess.Popen(
-        [binary, "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-master.telemetry=false",
-         f"-master.port={p}", f"-volume.port={p + 1}", f"-filer.port={p + 2}", f"-s3.port={p + 3}",
-         f"-admin.port={p + 4}", f"-s3.port.iceberg={p + 5}", f"-s3.port.lance={p + 6}",
-         "-webdav=false", "-admin.ui=false", f"-s3.config={config}"],
-        stdout=log.open("wb"), stderr=subprocess.STDOUT,
-    )
-    s3 = SeaweedS3(f"http://127.0.0.1:{p + 3}", proc, log)
+    cmd = [binary, "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-master.telemetry=false",
+           f"-master.port={p}", f"-volume.port={p + 1}", f"-filer.port={p + 2}", f"-s3.port={p + 3}",
+           f"-admin.port={p + 4}", f"-s3.port.iceberg={p + 5}", f"-s3.port.lance={p + 6}",
+           "-webdav=false", "-admin.ui=false", f"-s3.config={config}"]
+    proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    s3 = SeaweedS3(f"http://127.0.0.1:{p + 3}", proc, log, cmd)
 
     def ready() -> bool:
         if proc.poll() is not None:

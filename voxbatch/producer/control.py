@@ -24,10 +24,20 @@ class JobNotFound(KeyError):
     pass
 
 
-def get_status(jobs: RedisJobStore, job_id: str) -> JobStatus:
+def get_status(jobs: RedisJobStore, job_id: str, storage: Storage | None = None) -> JobStatus:
     status = jobs.status(job_id)
     if status is None:
-        raise JobNotFound(f"no job {job_id!r} in Redis")
+        hint = ""
+        if storage is not None:
+            from voxbatch import keys
+
+            try:
+                if storage.exists(keys.job_spec(job_id)):
+                    hint = (f"; its spec is in storage, so `voxbatch retry {job_id}` rebuilds its state and "
+                            "renders only what is not stored")
+            except (ValueError, KeyError):
+                pass
+        raise JobNotFound(f"no job {job_id!r} in Redis{hint}")
     return status
 
 
@@ -104,6 +114,8 @@ def status_table(status: JobStatus, jobs: RedisJobStore | None = None, max_error
                  ("reused", str(status.reused)),
                  ("failed", str(status.failed)), ("audio", f"{status.audio_s:.1f} s")]:
         table.add_row(k, escape(v))
+    if status.swept:
+        table.add_row("re-enqueued by sweeper", f"{status.swept} segment(s) found neither done, failed, queued nor in flight")
     if status.reason:
         table.add_row("reason", escape(status.reason))
     errors = [(f"error {seg}", err) for seg, err in sorted(status.errors.items())]
@@ -137,13 +149,19 @@ def jobs_table(jobs: RedisJobStore, limit: int = 50, settings: Settings | None =
 
 
 def retry_job(jobs: RedisJobStore, storage: Storage, settings: Settings, job_id: str, queue: str | None = None) -> int:
-    """Re-enqueue only failed or missing segments; returns how many. Resumes a cancelled job."""
+    """Re-enqueue only failed or missing segments; returns how many. Resumes a cancelled job.
+
+    Storage is the source of truth: a job Redis has lost (restarted without persistence, flushed, a
+    new Redis) is rebuilt from its job.json, and every segment not recorded done is enqueued; the
+    workers record what is already stored without rendering it, and render only what is missing.
+    """
     from voxbatch.producer.submit import load_spec, render_tasks
     from voxbatch.celery_app import configure_celery, send_assemble, send_render
 
-    get_status(jobs, job_id)
-    spec = load_spec(storage, job_id)
+    spec = load_spec(storage, job_id)  # SubmitError when storage has no job.json either
     configure_celery(settings)
+    if jobs.status(job_id) is None:
+        jobs.create(spec.id, spec.name, spec.voice, spec.format, len(spec.segments), spec.created_at)
     done = jobs.done_ids(job_id)
     todo = [s for s in spec.segments if s.id not in done]
     if not todo:

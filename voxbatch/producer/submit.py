@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from voxbatch import keys
-from voxbatch.models import Chapter, JobSpec, RenderTask, Segment, SynthesisParams, TaskSegment, content_seed
+from voxbatch.models import Chapter, JobSpec, RenderTask, Segment, SynthesisParams, TaskSegment
 from voxbatch.reuse import is_builtin_voice
 from voxbatch.settings import AudioFormat, Settings
 from voxbatch.storage import Storage
@@ -166,9 +166,7 @@ def render_tasks(spec: JobSpec, batch_size: int, segments: list[Segment] | None 
             yield RenderTask(
                 job_id=spec.id, voice=voice, format=spec.format, params=params, reuse=spec.reuse,
                 segments=[
-                    TaskSegment(id=s.id, chapter=s.chapter, text=s.text,
-                                key=keys.segment(spec.id, s.chapter, s.index, spec.format),
-                                seed=s.seed if s.seed is not None else content_seed(s.text, voice, params))
+                    TaskSegment(id=s.id, chapter=s.chapter, text=s.text, seed=spec.seed_of(s))
                     for s in segs[i: i + batch_size]
                 ],
             )

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from voxbatch.models import SynthesisParams
+from voxbatch.outage import is_outage
 from voxbatch.settings import Settings
 
 
@@ -39,6 +40,9 @@ class SynthesisResult:
     request: SynthesisRequest
     audio: np.ndarray | None  # float32 mono in [-1, 1], at engine.sample_rate; None when it failed
     error: str | None = None
+    # The error was a service outage (voxbatch.outage.is_outage: e.g. a voice profile that could not be
+    # fetched), not the segment's own: the pipeline retries it without counting an attempt.
+    outage: bool = False
 
 
 class Engine(ABC):
@@ -119,7 +123,7 @@ class Engine(ABC):
                 emit(result)
         except Exception as e:  # noqa: BLE001 - any engine failure becomes a per-segment error
             if len(batch) == 1:
-                emit(SynthesisResult(batch[0], None, f"{type(e).__name__}: {e}"))
+                emit(SynthesisResult(batch[0], None, f"{type(e).__name__}: {e}", outage=is_outage(e)))
                 return
             for r in pending.values():
                 self._run_batch([r], emit)

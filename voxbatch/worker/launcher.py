@@ -1,9 +1,9 @@
 """`voxbatch worker --gpus 0,1`: one pinned worker process per GPU, restarted if it dies.
 
 CUDA_VISIBLE_DEVICES is set in each child's environment before the child starts, so the pinning
-holds before anything imports torch. A child that exits unexpectedly (SIGKILL, OOM) is started
-again after a backoff that doubles with each quick death and resets once a child has run for
-`HEALTHY_S`; its unacknowledged task returns to the queue through the broker's visibility timeout,
+holds before anything imports torch. A child that exits unexpectedly (SIGKILL, OOM, a pipeline
+thread that died) is started again after a jittered backoff (voxbatch/outage.py) that doubles with
+each quick death and resets once a child has run for `HEALTHY_S`; its unacknowledged task returns to the queue through the broker's visibility timeout,
 and the per-segment attempt counter in Redis ends a poison task's loop. SIGTERM/SIGINT are passed
 on: each child stops taking tasks, gives its in-flight segments the shutdown window, hands back
 what is unfinished (worker/main.py), and the launcher exits when all children have.
@@ -17,6 +17,8 @@ import socket
 import subprocess
 import sys
 import time
+
+from voxbatch.outage import backoff_s
 
 # A child that ran this long before dying is not crash-looping: its next restart waits the least.
 HEALTHY_S = 60.0
@@ -73,7 +75,7 @@ def run_workers(gpus: list[str] | None, concurrency: int | None = None, queues: 
             if time.monotonic() - started[slot] >= HEALTHY_S:
                 restarts[slot] = 0
             restarts[slot] += 1
-            delay = min(30.0, 0.5 * 2 ** min(restarts[slot], 6))
+            delay = backoff_s(restarts[slot] + 1, 500, 30_000)
             print(f"voxbatch: worker for GPU {slot} exited with {code}; restarting in {delay:.1f}s",
                   file=sys.stderr, flush=True)
             time.sleep(delay)

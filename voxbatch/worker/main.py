@@ -21,6 +21,7 @@ import time
 
 from celery import signals
 
+from voxbatch.broker import install_heartbeat
 from voxbatch.celery_app import app, configure_celery, send_assemble, shutdown_window_s
 from voxbatch.jobstate import RedisJobStore
 from voxbatch.settings import load_settings
@@ -91,6 +92,7 @@ def serve(gpu: str | None, concurrency: int | None, queues: str | None, hostname
                         on_job_complete=lambda job_id: send_assemble(job_id, settings.assemble_queue),
                         metrics=metrics).start()
     tasks.install(pipeline)
+    install_heartbeat(settings.broker_url, settings.task_heartbeat_s)
     _bound_shutdown(pipeline, shutdown_window_s(settings))
     name = hostname or f"voxbatch-{'gpu' + gpu if gpu is not None else 'cpu'}@{socket.gethostname()}"
     _heartbeat(jobs, pipeline, f"{name}/{os.getpid()}", queues or settings.render_queue, settings.worker_heartbeat_s)

@@ -7,6 +7,19 @@ the task's segments down. The engine only waits on storage when that queue is fu
 working while objects upload. This is the one path that finishes a segment (`_record`): stored,
 retried with backoff, or failed for good after `max_attempts`.
 
+Outages are not failures (voxbatch/outage.py): every Redis and storage call here waits for its
+service to come back instead of raising. A rendered segment whose upload meets a storage outage
+keeps its audio and retries the upload, spending no render attempt, for up to `outage_window_s`
+(then it is recorded failed with the outage as its reason); while upload threads wait, the output
+queue fills and the engine stops rendering what could not be stored. Only an error of the segment
+itself (the engine failed on it) counts as an attempt. A pipeline thread that dies anyway takes the
+process down (`_guarded`), so the launcher or the orchestrator restarts it: a worker that says
+`ready.` and renders nothing is worse than one that restarts.
+
+Storage keys are derived here from (job, chapter, segment) through voxbatch/keys.py, never taken
+from a message. A job missing from Redis (a Redis restarted without persistence) is not cancelled:
+its audio is still rendered and stored, and `voxbatch retry` records it from storage.
+
 On shutdown the worker may `abandon()` the tasks still waiting: their handles are released marked
 abandoned (the task then hands its message back to the broker instead of acking), and segments not
 yet taken by the engine leave the intake with their attempt un-counted, so a rolling restart does
@@ -16,29 +29,38 @@ not use up a segment's attempts.
 from __future__ import annotations
 
 import logging
+import os
 import queue
-import random
 import threading
 import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
-
-from voxbatch.audio import content_type, encode, probe
+from voxbatch import keys
+from voxbatch.audio import AudioDecodeError, content_type, encode, probe
 from voxbatch.jobstate import JobStore
 from voxbatch.models import RenderTask, TaskSegment
+from voxbatch.outage import OutageTooLong, Stopped, backoff_s, wait_for_service
 from voxbatch.reuse import SegmentCache
 from voxbatch.settings import Settings
 from voxbatch.storage import Storage
 from voxbatch.worker.engine import Engine, SynthesisRequest, SynthesisResult
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# Exit status of a worker process whose pipeline thread died (the launcher restarts it).
+THREAD_DIED_EXIT = 70
+
+__all__ = ["Pipeline", "TaskHandle", "TaskAbandoned", "backoff_s", "THREAD_DIED_EXIT"]
 
 
-def backoff_s(attempt: int, base_ms: int, max_ms: int) -> float:
-    """Jittered exponential backoff before attempt `attempt + 1` ("full jitter")."""
-    return random.uniform(0, min(max_ms, base_ms * 2 ** max(attempt - 1, 0))) / 1000
+def _exit_process(thread_name: str) -> None:
+    """Default reaction to a dead pipeline thread: flush the logs and end the process at once."""
+    logging.shutdown()
+    os._exit(THREAD_DIED_EXIT)
 
 
 class TaskHandle:
@@ -93,14 +115,23 @@ class _Tag:
     handle: TaskHandle
     segment: TaskSegment
     attempt: int = 0  # set when the engine takes the segment (`_admit`); 0 while it waits in the intake
+    outage_since: float | None = None  # monotonic time the engine first met an outage rendering it
+
+    @property
+    def key(self) -> str:
+        """Where the segment's audio goes: derived from (job, segment id, format), never from the message."""
+        task = self.handle.task
+        return keys.segment_by_id(task.job_id, self.segment.id, task.format)
 
 
 class Pipeline:
     def __init__(self, engine: Engine, storage: Storage, jobs: JobStore, settings: Settings,
-                 on_job_complete: Callable[[str], None], metrics=None):
+                 on_job_complete: Callable[[str], None], metrics=None,
+                 on_thread_death: Callable[[str], None] = _exit_process):
         self.engine, self.storage, self.jobs, self.settings = engine, storage, jobs, settings
         self.on_job_complete = on_job_complete
         self.metrics = metrics
+        self.on_thread_death = on_thread_death
         self.cache = SegmentCache(storage, engine.fingerprint())
         self.intake: queue.Queue[SynthesisRequest | None] = queue.Queue()
         self.output: queue.Queue[SynthesisResult | None] = queue.Queue(maxsize=settings.output_queue_size)
@@ -109,7 +140,7 @@ class Pipeline:
         self._timers: set[threading.Timer] = set()
         self._handles: weakref.WeakSet[TaskHandle] = weakref.WeakSet()  # tasks in flight, for abandon()
         self._handles_lock = threading.Lock()
-        self._abandoned = threading.Event()
+        self._abandoned = threading.Event()  # set by abandon() and stop(): submit stops waiting on services
         self.engine_waited_s = 0.0  # time the engine spent blocked on a full output queue
         self.last_took = 0.0  # unix time the engine last took a batch (the worker heartbeat reports it)
         self._unstored = 0  # results emitted by the engine and not yet stored or failed
@@ -121,19 +152,39 @@ class Pipeline:
         if self.metrics is not None:
             observe = self.metrics.batch_done
             self.metrics.track_queues(self.intake, self.output)
-        t = threading.Thread(target=self.engine.serve, args=(self.intake, self._emit, self._stop, observe, self._admit),
-                             name="engine", daemon=True)
-        self._threads.append(t)
+        engine_args = (self.intake, self._emit, self._stop, observe, self._admit)
+        self._threads.append(threading.Thread(target=self._guarded(self.engine.serve, *engine_args), name="engine",
+                                              daemon=True))
         for i in range(self.settings.upload_threads):
-            self._threads.append(threading.Thread(target=self._upload_loop, name=f"upload-{i}", daemon=True))
+            self._threads.append(threading.Thread(target=self._guarded(self._upload_loop), name=f"upload-{i}",
+                                                  daemon=True))
         for t in self._threads:
             t.start()
         return self
+
+    def _guarded(self, fn: Callable[..., object], *args) -> Callable[[], None]:
+        """`fn(*args)` for a pipeline thread: a shutdown ends it quietly, anything else it raises
+        ends the process (`on_thread_death`) instead of leaving a worker that takes tasks and
+        renders nothing."""
+
+        def run() -> None:
+            try:
+                fn(*args)
+            except Stopped:
+                return
+            except BaseException:  # noqa: BLE001 - a dead pipeline thread must not go unnoticed
+                name = threading.current_thread().name
+                log.critical("pipeline thread %s died; ending the worker process so it is restarted", name,
+                             exc_info=True)
+                self.on_thread_death(name)
+
+        return run
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """Stop the threads, letting them store what is already rendered for up to `timeout_s` in all."""
         self.intake.put(None)
         self._stop.set()
+        self._abandoned.set()
         for _ in range(self.settings.upload_threads):
             self.output.put(None)
         for timer in list(self._timers):
@@ -170,11 +221,22 @@ class Pipeline:
                 self.intake.put(None)
                 return
 
+    @property
+    def stopping(self) -> threading.Event:
+        """Set once the pipeline is abandoning its tasks or stopping: callers stop waiting on services."""
+        return self._abandoned
+
     def __enter__(self) -> "Pipeline":
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+    # -- services ----------------------------------------------------------------------------
+    def _service(self, fn: Callable[[], T], what: str, *, stop: threading.Event | None = None,
+                 window_s: float | None = None) -> T:
+        """A Redis or storage call, waited through outages (`Stopped` once `stop` is set)."""
+        return wait_for_service(fn, what, log=log, stop=stop or self._stop, window_s=window_s)
 
     # -- intake ------------------------------------------------------------------------------
     def submit(self, task: RenderTask) -> TaskHandle:
@@ -185,46 +247,66 @@ class Pipeline:
             return handle
         with self._handles_lock:
             self._handles.add(handle)
-        state = self.jobs.state(task.job_id)
-        for seg in task.segments:
-            if state in (None, "cancelled") or self._already_stored(task, seg):
-                handle.skipped += 1
-                handle.segment_finished()
-                continue
-            self._enqueue(handle, seg)
+        try:
+            state = self._service(lambda: self.jobs.state(task.job_id), f"job {task.job_id}", stop=self._abandoned)
+            for seg in task.segments:
+                if state == "cancelled" or self._already_stored(handle, seg):
+                    handle.skipped += 1
+                    handle.segment_finished()
+                elif len(seg.text) > self.settings.max_segment_chars:
+                    # More than the model can speak in one go: refused, never rendered (nor retried).
+                    self._record(task.job_id, seg.id, error=f"text of {len(seg.text)} characters is over "
+                                                            f"max_segment_chars ({self.settings.max_segment_chars})")
+                    handle.segment_finished()
+                else:
+                    self._enqueue(handle, seg)
+        except Stopped:
+            handle.abandon()  # shutting down while a service was away: the redelivery takes it from here
+            return handle
         if handle.skipped:
             # A redelivery (or a task of a cancelled job): say so, it is the only trace it leaves.
             log.info("job %s: %d of %d segments (%s..%s) already stored or cancelled, not rendered",
                      task.job_id, handle.skipped, len(task.segments), task.segments[0].id, task.segments[-1].id)
         return handle
 
-    def _already_stored(self, task: RenderTask, seg: TaskSegment) -> bool:
-        if self.jobs.is_done(task.job_id, seg.id):
+    def _already_stored(self, handle: TaskHandle, seg: TaskSegment) -> bool:
+        job_id, key = handle.task.job_id, _Tag(handle, seg).key
+        where = f"segment {job_id}/{seg.id}"
+        if self._service(lambda: self.jobs.is_done(job_id, seg.id), where, stop=self._abandoned):
             return True
-        if not self.storage.exists(seg.key):
-            return task.reuse and self._reuse(task, seg)
+        if not self._service(lambda: self.storage.exists(key), where, stop=self._abandoned):
+            return handle.task.reuse and self._reuse(handle, seg)
         # Stored by an earlier delivery that died before recording it: record it now, don't re-render.
-        self._record(task.job_id, seg.id, audio_s=probe(self.storage.get(seg.key), seg.key).duration_s)
+        data = self._service(lambda: self.storage.get(key), where, stop=self._abandoned)
+        try:
+            audio_s = probe(data, key).duration_s
+        except AudioDecodeError as e:  # never written by us (puts are atomic): render it again over it
+            log.warning("%s: stored object is not audio (%s); rendering it again", where, e)
+            return False
+        self._record(job_id, seg.id, audio_s=audio_s, stop=self._abandoned)
         return True
 
-    def _reuse(self, task: RenderTask, seg: TaskSegment) -> bool:
+    def _reuse(self, handle: TaskHandle, seg: TaskSegment) -> bool:
         """Take the segment's audio from the content-addressed cache when it is there (reuse.py)."""
-        key = self.cache.key(task, seg)
+        task, key = handle.task, _Tag(handle, seg).key
+        cache_key = self.cache.key(task, seg)
+        where = f"segment {task.job_id}/{seg.id}"
         try:
-            data = self.storage.get(key)
-            self.storage.copy(key, seg.key)
+            data = self._service(lambda: self.storage.get(cache_key), where, stop=self._abandoned)
+            self._service(lambda: self.storage.copy(cache_key, key), where, stop=self._abandoned)
         except KeyError:
             return False
-        self.jobs.mark_reused(task.job_id, seg.id)
-        self._record(task.job_id, seg.id, audio_s=probe(data, key).duration_s)
+        self._service(lambda: self.jobs.mark_reused(task.job_id, seg.id), where, stop=self._abandoned)
+        self._record(task.job_id, seg.id, audio_s=probe(data, cache_key).duration_s, stop=self._abandoned)
         return True
 
-    def _enqueue(self, handle: TaskHandle, seg: TaskSegment) -> None:
+    def _enqueue(self, handle: TaskHandle, seg: TaskSegment, outage_since: float | None = None) -> None:
         task = handle.task
         if self._abandoned.is_set():
             handle.abandon()  # shutting down: not worth starting, the redelivery renders it
             return
-        self.intake.put(SynthesisRequest(seg.id, seg.text, task.voice, seg.seed, task.params, tag=_Tag(handle, seg)))
+        tag = _Tag(handle, seg, outage_since=outage_since)
+        self.intake.put(SynthesisRequest(seg.id, seg.text, task.voice, seg.seed, task.params, tag=tag))
 
     def _admit(self, batch: list[SynthesisRequest]) -> list[SynthesisRequest]:
         """Count an attempt for each segment the engine is about to render (engine thread).
@@ -237,21 +319,25 @@ class Pipeline:
         """
         admitted = []
         self.last_took = time.time()
-        attempts = self.jobs.begin_attempts([(r.tag.handle.task.job_id, r.tag.segment.id) for r in batch])
+        pairs = [(r.tag.handle.task.job_id, r.tag.segment.id) for r in batch]
+        attempts = self._service(lambda: self.jobs.begin_attempts(pairs), "engine: counting attempts")
         for req, attempt in zip(batch, attempts):
             tag: _Tag = req.tag
             task, seg = tag.handle.task, tag.segment
+            where = f"segment {task.job_id}/{seg.id}"
             if attempt > self.settings.max_attempts:
                 # The attempt is refused, not made, so the counter stays at max_attempts.
-                self.jobs.forget_attempt(task.job_id, seg.id)
-                error = self.jobs.last_error(task.job_id, seg.id) or "worker lost while rendering"
-                self._record(task.job_id, seg.id, error=f"gave up after {attempt - 1} attempts: {error}")
+                self._service(lambda: self.jobs.forget_attempt(task.job_id, seg.id), where)
+                error = self._service(lambda: self.jobs.last_error(task.job_id, seg.id), where)
+                self._record(task.job_id, seg.id,
+                             error=f"gave up after {attempt - 1} attempts: {error or 'worker lost while rendering'}")
                 tag.handle.segment_finished()
                 continue
-            if attempt > 1 and self.jobs.last_error(task.job_id, seg.id) is None:  # died with its worker
+            if attempt > 1 and self._service(lambda: self.jobs.last_error(task.job_id, seg.id), where) is None:
+                # Its last attempt left no error: it died with its worker.
                 if len(batch) > 1:
-                    self.jobs.forget_attempt(task.job_id, seg.id)
-                    log.info("segment %s/%s: its worker died while rendering it; rendering it alone", task.job_id, seg.id)
+                    self._service(lambda: self.jobs.forget_attempt(task.job_id, seg.id), where)
+                    log.info("%s: its worker died while rendering it; rendering it alone", where)
                     self.intake.put(replace(req, solo=True))
                     continue
                 self._wait_until_stored()
@@ -276,11 +362,17 @@ class Pipeline:
                 return
             tag: _Tag = result.request.tag
             try:
-                if result.error is not None:
-                    raise RuntimeError(result.error)
-                self._store(tag, result)
-            except Exception as e:  # noqa: BLE001 - every failure goes through the one retry path
-                self._failed_attempt(tag, f"{type(e).__name__}: {e}" if result.error is None else result.error)
+                if result.outage:
+                    self._engine_outage(tag, result.error or "service unavailable")
+                elif result.error is not None:
+                    self._failed_attempt(tag, result.error)
+                else:
+                    try:
+                        self._store(tag, result)
+                    except Stopped:
+                        raise
+                    except Exception as e:  # noqa: BLE001 - not an outage (those are waited out): the segment's own
+                        self._failed_attempt(tag, f"{type(e).__name__}: {e}")
             finally:
                 with self._unstored_cv:
                     self._unstored -= 1
@@ -294,14 +386,27 @@ class Pipeline:
 
     def _store(self, tag: _Tag, result: SynthesisResult) -> None:
         task, seg = tag.handle.task, tag.segment
-        if self.jobs.state(task.job_id) in (None, "cancelled"):
+        where = f"segment {task.job_id}/{seg.id}"
+        if self._service(lambda: self.jobs.state(task.job_id), where) == "cancelled":
             tag.handle.segment_finished()  # rendered before the cancel reached us: keep storage as Redis says
+            return
+        if self._service(lambda: self.jobs.is_done(task.job_id, seg.id), where):
+            tag.handle.segment_finished()  # another delivery of its task stored it meanwhile: write it once
             return
         t0 = time.perf_counter()
         data = encode(result.audio, self.engine.sample_rate, task.format)
-        cache_key = self.cache.key(task, seg)  # the cache first: stored under seg.key means cached too
-        self.storage.put(cache_key, data, content_type(task.format))
-        self.storage.copy(cache_key, seg.key)
+        key, cache_key = tag.key, self.cache.key(task, seg)
+
+        def put() -> None:  # the cache first: stored under the segment's key means cached too
+            self.storage.put(cache_key, data, content_type(task.format))
+            self.storage.copy(cache_key, key)
+
+        try:
+            self._service(put, f"{where}: upload", window_s=self.settings.outage_window_s)
+        except OutageTooLong as e:
+            self._record(task.job_id, seg.id, error=f"storage outage: {e}")  # the outage is the reason, not the segment
+            tag.handle.segment_finished()
+            return
         audio_s = len(result.audio) / self.engine.sample_rate
         if self.metrics is not None:
             self.metrics.segment_stored(audio_s, time.perf_counter() - t0)
@@ -311,15 +416,33 @@ class Pipeline:
     def _failed_attempt(self, tag: _Tag, error: str) -> None:
         task, seg = tag.handle.task, tag.segment
         log.warning("segment %s/%s attempt %d failed: %s", task.job_id, seg.id, tag.attempt, error)
-        self.jobs.note_error(task.job_id, seg.id, error)
+        self._service(lambda: self.jobs.note_error(task.job_id, seg.id, error), f"segment {task.job_id}/{seg.id}")
         if self.metrics is not None:
             self.metrics.segment_failed()
         if tag.attempt >= self.settings.max_attempts:
             self._record(task.job_id, seg.id, error=error)
             tag.handle.segment_finished()
             return
-        delay = backoff_s(tag.attempt, self.settings.retry_backoff_ms, self.settings.retry_backoff_max_ms)
-        timer = threading.Timer(delay, self._retry, args=(tag,))
+        self._later(backoff_s(tag.attempt, self.settings.retry_backoff_ms, self.settings.retry_backoff_max_ms),
+                    tag)
+
+    def _engine_outage(self, tag: _Tag, error: str) -> None:
+        """The engine could not render a segment because a service was away (a voice profile it
+        could not fetch): its attempt is given back and it is tried again, within the outage window."""
+        task, seg = tag.handle.task, tag.segment
+        now = time.monotonic()
+        since = tag.outage_since if tag.outage_since is not None else now
+        self._service(lambda: self.jobs.forget_attempt(task.job_id, seg.id), f"segment {task.job_id}/{seg.id}")
+        if now - since >= self.settings.outage_window_s:
+            self._record(task.job_id, seg.id, error=f"service outage for {now - since:.0f} s: {error}")
+            tag.handle.segment_finished()
+            return
+        log.warning("segment %s/%s: service unavailable while rendering (%s); trying again", task.job_id, seg.id, error)
+        self._later(backoff_s(int((now - since) // 5) + 1, self.settings.retry_backoff_ms, 5000),
+                    replace(tag, outage_since=since))
+
+    def _later(self, delay_s: float, tag: _Tag) -> None:
+        timer = threading.Timer(delay_s, self._guarded(self._retry, tag))
         timer.daemon = True
         self._timers.add(timer)
         timer.start()
@@ -328,12 +451,15 @@ class Pipeline:
         self._timers.discard(threading.current_thread())  # type: ignore[arg-type]
         if self._abandoned.is_set():
             return  # the handle was released; the redelivered task retries this segment
-        if self.jobs.state(tag.handle.task.job_id) in (None, "cancelled"):
+        if self._service(lambda: self.jobs.state(tag.handle.task.job_id), "retry") == "cancelled":
             tag.handle.segment_finished()
             return
-        self._enqueue(tag.handle, tag.segment)
+        self._enqueue(tag.handle, tag.segment, tag.outage_since)
 
-    def _record(self, job_id: str, seg_id: str, *, audio_s: float = 0.0, error: str | None = None) -> None:
+    def _record(self, job_id: str, seg_id: str, *, audio_s: float = 0.0, error: str | None = None,
+                stop: threading.Event | None = None) -> None:
         """Record a segment's outcome; the call that finishes a job's last segment triggers assembly."""
-        if self.jobs.finish(job_id, seg_id, audio_s=audio_s, error=error) == 1:
-            self.on_job_complete(job_id)
+        where = f"segment {job_id}/{seg_id}"
+        if self._service(lambda: self.jobs.finish(job_id, seg_id, audio_s=audio_s, error=error), where,
+                         stop=stop) == 1:
+            self._service(lambda: self.on_job_complete(job_id), f"job {job_id}: sending its assembly", stop=stop)
