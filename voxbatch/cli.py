@@ -381,7 +381,7 @@ def render(path: Optional[Path] = typer.Argument(None, help="corpus (.txt, .md, 
 
     from voxbatch.models import SynthesisParams
     from voxbatch.producer.control import JobBar, progress_columns
-    from voxbatch.worker.local import RenderInterrupted, render_local
+    from voxbatch.embedded import RenderInterrupted, render_local
 
     if path is None and resume is None:
         _fail("render needs a corpus PATH (or --resume JOB)")

@@ -31,7 +31,7 @@ limiter's gain arrays, processed in blocks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import numpy as np
@@ -78,7 +78,7 @@ def preset_for(name: str, job_format: str) -> Preset | None:
         return None
     p = PRESETS[name]
     if name == "podcast" and job_format == "m4a":
-        return Preset(**{**p.__dict__, "fmt": "m4a", "kbps": 96})
+        return replace(p, fmt="m4a", kbps=96)
     return p
 
 

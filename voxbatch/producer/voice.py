@@ -132,7 +132,7 @@ def check_transcript(model_dir: str | Path, text: str, n_speech_tokens: int, max
     leaves fewer than SEGMENT_ROOM_TOKENS of the LLM's `max_positions` for a segment."""
     if not text.strip():
         raise VoiceCreationError("empty transcript: --text must say what the prompt audio says")
-    from voxbatch.worker.cosyvoice2.tokenizer import CosyVoice2Tokenizer
+    from voxbatch.tokenizer import CosyVoice2Tokenizer
 
     n_text = len(CosyVoice2Tokenizer.from_model_dir(model_dir).encode(text.strip()))
     prompt = n_text + n_speech_tokens + 2

@@ -10,6 +10,10 @@ error at once, not N retries per segment. It resumes: the job id is derived from
 again finds the segments the last run stored and renders only the rest (or `resume=<job id>`
 continues a stored job as it was planned). Ctrl-C stops within `STOP_GRACE_S` with `RenderInterrupted`,
 keeping every segment already stored.
+
+It lives beside the contract, not in either side, because it composes both: imports go one way only,
+`voxbatch.producer` and `voxbatch.worker` each import the shared contract (`voxbatch/*.py`) and never
+each other; this module and the CLI are the only places that use both (tests/test_layering.py).
 """
 
 from __future__ import annotations
