@@ -390,8 +390,8 @@ def _deliver_mastered(storage: Storage, d: _Delivery, chapter: _AssembledChapter
         cues = _file_cues([p for p in chapter.placed if lo <= p.start < hi], sr, lo,
                           round(mastered.head_pad_s * 1000))
         row = QcRow(chapter=chapter.index, part=k, key=key, format=preset.fmt, sample_rate=preset.sample_rate,
-                    channels=1, kbps=preset.kbps, levels=levels, source_levels=source, checks=checks,
-                    passed=all(checks.values()))
+                    channels=1, kbps=preset.kbps, levels=levels, source_levels=source, gain_db=mastered.gain_db,
+                    checks=checks, passed=all(checks.values()))
         if not row.passed:
             log.warning("job %s: %s fails %s: %s", d.spec.id, key, preset.name,
                         ", ".join(n for n, ok in checks.items() if not ok))
