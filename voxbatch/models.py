@@ -221,6 +221,7 @@ class QcRow(Frozen):
     kbps: int | None  # constant bit rate of mp3 / m4a files
     levels: QcLevels  # the delivered file
     source_levels: QcLevels | None = None  # the chapter as assembled, before mastering
+    gain_db: float | None = None  # gain mastering applied before the limiter
     checks: dict[str, bool]  # rule name -> passed
     passed: bool
 

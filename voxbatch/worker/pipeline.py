@@ -34,6 +34,7 @@ import queue
 import threading
 import time
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TypeVar
@@ -133,6 +134,9 @@ class Pipeline:
         self.metrics = metrics
         self.on_thread_death = on_thread_death
         self.cache = SegmentCache(storage, engine.fingerprint())
+        # A task's segments are looked up in storage (done? cached?) this many at a time: a resubmitted
+        # book is mostly cache hits, two storage round trips each.
+        self._lookups = ThreadPoolExecutor(settings.upload_threads, thread_name_prefix="lookup")
         self.intake: queue.Queue[SynthesisRequest | None] = queue.Queue()
         self.output: queue.Queue[SynthesisResult | None] = queue.Queue(maxsize=settings.output_queue_size)
         self._stop = threading.Event()
@@ -189,6 +193,7 @@ class Pipeline:
             self.output.put(None)
         for timer in list(self._timers):
             timer.cancel()
+        self._lookups.shutdown(wait=False, cancel_futures=True)
         deadline = time.monotonic() + timeout_s
         for t in self._threads:
             t.join(timeout=max(0.0, deadline - time.monotonic()))
@@ -249,8 +254,10 @@ class Pipeline:
             self._handles.add(handle)
         try:
             state = self._service(lambda: self.jobs.state(task.job_id), f"job {task.job_id}", stop=self._abandoned)
-            for seg in task.segments:
-                if state == "cancelled" or self._already_stored(handle, seg):
+            stored = ([True] * len(task.segments) if state == "cancelled" else
+                      list(self._lookups.map(lambda seg: self._already_stored(handle, seg), task.segments)))
+            for seg, skip in zip(task.segments, stored):
+                if skip:
                     handle.skipped += 1
                     handle.segment_finished()
                 elif len(seg.text) > self.settings.max_segment_chars:
@@ -274,8 +281,11 @@ class Pipeline:
         where = f"segment {job_id}/{seg.id}"
         if self._service(lambda: self.jobs.is_done(job_id, seg.id), where, stop=self._abandoned):
             return True
+        # The cache first: a hit is two requests (get, copy over whatever an earlier delivery stored).
+        if handle.task.reuse and self._reuse(handle, seg):
+            return True
         if not self._service(lambda: self.storage.exists(key), where, stop=self._abandoned):
-            return handle.task.reuse and self._reuse(handle, seg)
+            return False
         # Stored by an earlier delivery that died before recording it: record it now, don't re-render.
         data = self._service(lambda: self.storage.get(key), where, stop=self._abandoned)
         try:
@@ -289,9 +299,9 @@ class Pipeline:
     def _reuse(self, handle: TaskHandle, seg: TaskSegment) -> bool:
         """Take the segment's audio from the content-addressed cache when it is there (reuse.py)."""
         task, key = handle.task, _Tag(handle, seg).key
-        cache_key = self.cache.key(task, seg)
         where = f"segment {task.job_id}/{seg.id}"
         try:
+            cache_key = self.cache.key(task, seg)  # KeyError: no such voice (the engine reports it)
             data = self._service(lambda: self.storage.get(cache_key), where, stop=self._abandoned)
             self._service(lambda: self.storage.copy(cache_key, key), where, stop=self._abandoned)
         except KeyError:
