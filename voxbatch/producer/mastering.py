@@ -60,8 +60,7 @@ class Preset:
     head_s: float | None = None  # room tone at the head (None: the assembled lead stays as it is)
     tail_s: float | None = None
     room_tone_dbfs: float | None = None
-    sample_rate: int = MASTER_RATE
-    channels: int = 1
+    sample_rate: int = MASTER_RATE  # files are mono
 
 
 PRESETS: dict[str, Preset] = {
