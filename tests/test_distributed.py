@@ -350,7 +350,8 @@ def test_sigterm_finishes_in_flight_work_within_the_window_then_hands_back_the_r
     window_s = shutdown_window_s(Settings(visibility_timeout_s=int(cluster.env["VOXBATCH_VISIBILITY_TIMEOUT_S"])))
     book = corpora.long_book(tmp_path / "long.txt", chapters=2, sentences=60)
     # ~1.8 s per segment, engine batches of 2: 4 tasks x 4 segments in flight is ~30 s of work.
-    slow = {"VOXBATCH_TONE_RTF": "0.1", "VOXBATCH_ENGINE_MAX_BATCH": "2"}
+    slow = {"VOXBATCH_TONE_RTF": "0.1", "VOXBATCH_ENGINE_MAX_BATCH": "2",
+            "VOXBATCH_TASK_CONCURRENCY": "4", "VOXBATCH_WORKER_INFLIGHT_SEGMENTS": "16"}  # 4 tasks x 4 segments
     old = cluster.start("worker", "--gpus", "0", extra_env=slow)
     cluster.start("assembler")
     job_id = cluster.submit(book)
