@@ -60,7 +60,12 @@ def test_worker_metrics_over_http():
         for audio_s in (1.5, 2.5, 3.0):
             m.segment_stored(audio_s=audio_s, upload_s=0.02)
         m.segment_failed()
-        m.queue_depths(intake=5, output=2)
+        intake, output = queue.Queue(), queue.Queue()
+        for i in range(5):
+            intake.put(i)
+        for i in range(2):
+            output.put(i)
+        m.track_queues(intake, output)
         got = _samples(_scrape(server.server_port))
     finally:
         server.shutdown()

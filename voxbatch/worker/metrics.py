@@ -3,7 +3,7 @@
 Two things live here, both dependency-light (prometheus_client, and redis for the exporter):
 
 * `Metrics`: what one worker process (one GPU, or one LLM+flow GPU pair) reports. The pipeline calls
-  a handful of methods (`batch_done`, `segment_stored`, `segment_failed`, `queue_depths`); everything
+  a handful of methods (`batch_done`, `segment_stored`, `segment_failed`, `track_queues`); everything
   else is read at scrape time. Labels are only `worker` and `gpu`, fixed per process, so the number
   of time series does not grow with jobs or segments. prometheus_client's metric objects are
   thread-safe, so engine, upload and Celery threads may call in at once.
@@ -140,11 +140,6 @@ class Metrics:
 
     def segment_failed(self) -> None:
         self.segment_failures.inc()
-
-    def queue_depths(self, intake: int, output: int) -> None:
-        """Set both queue gauges (for pipelines that report depths as they change)."""
-        self.intake_queue_depth.set(intake)
-        self.output_queue_depth.set(output)
 
     def track_queues(self, intake: Any, output: Any) -> None:
         """Read both depths from `queue.Queue`-like objects (`qsize()`) at every scrape instead."""
