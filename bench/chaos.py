@@ -171,7 +171,11 @@ def main() -> None:
         for p in procs[:-1]:
             p.wait_ready(300)
 
-        spec = make_spec(a.segments)
+        # Unique texts: with repeated ones the content-addressed cache (voxbatch/reuse.py) would
+        # render each text once and copy it for the rest, and the faults would hit few renders.
+        base = make_spec(a.segments)
+        spec = base.model_copy(update={"segments": [s.model_copy(update={"text": f"{s.text} Line {i}."})
+                                                     for i, s in enumerate(base.segments)]})
         n = len(spec.segments)
         plan = (["kill"] * a.kills + ["redis_restart"] * a.redis_restarts + ["storage_outage"] * a.outages)
         marks = sorted(rng.uniform(0.05, 0.85) for _ in plan)
@@ -245,6 +249,8 @@ def main() -> None:
             "state": status.state if status else None,
             "completed_by_itself": bool(status and status.state == "completed"),
             "swept": status.swept if status else None,
+            "reused": status.reused if status else None,
+            "rendered": int(jobs.r.hlen(RedisJobStore._k(spec.id, "attempts"))),
             "wall_s": round(wall_s, 1),
             "faults": [asdict(f) for f in faults],
             "workers": a.workers,

@@ -54,7 +54,7 @@ T = TypeVar("T")
 # Exit status of a worker process whose pipeline thread died (the launcher restarts it).
 THREAD_DIED_EXIT = 70
 
-__all__ = ["Pipeline", "TaskHandle", "TaskAbandoned", "backoff_s", "THREAD_DIED_EXIT"]
+__all__ = ["Pipeline", "TaskHandle", "TaskAbandoned", "THREAD_DIED_EXIT"]
 
 
 def _exit_process(thread_name: str) -> None:
@@ -394,8 +394,15 @@ class Pipeline:
         t0 = time.perf_counter()
         data = encode(result.audio, self.engine.sample_rate, task.format)
         key, cache_key = tag.key, self.cache.key(task, seg)
+        tries = 0
 
         def put() -> None:  # the cache first: stored under the segment's key means cached too
+            nonlocal tries
+            tries += 1
+            # After an outage cut a try short, its write may have landed with only the reply lost:
+            # look before writing again, so the object is written once.
+            if tries > 1 and self.storage.exists(key):
+                return
             self.storage.put(cache_key, data, content_type(task.format))
             self.storage.copy(cache_key, key)
 
