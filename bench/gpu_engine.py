@@ -843,7 +843,7 @@ class Bench:
         holds task_concurrency x batch_size."""
         from voxbatch.voice import VoiceProfile
         from voxbatch.worker.cosyvoice2.engine import CosyVoice2Engine
-        from voxbatch.worker.cosyvoice2.tokenizer import CosyVoice2Tokenizer
+        from voxbatch.tokenizer import CosyVoice2Tokenizer
 
         a = self.args
         tokenizer = CosyVoice2Tokenizer.from_model_dir(self.model_dir)

@@ -24,7 +24,7 @@ FIELDS = ("integrated_lufs", "rms_db", "peak_dbfs", "true_peak_dbtp", "noise_flo
 def run(corpus: Path, preset: str, engine: str, model_dir: Path | None) -> dict:
     from voxbatch.models import SynthesisParams
     from voxbatch.settings import Settings
-    from voxbatch.worker.local import render_local
+    from voxbatch.embedded import render_local
 
     with tempfile.TemporaryDirectory() as out:
         settings = Settings(engine=engine, preset=preset, storage_url=Path(out).as_uri(),

@@ -1,5 +1,7 @@
 # syntax=docker/dockerfile:1
-# voxbatch GPU worker: `voxbatch worker` (CosyVoice2 engine, torch + vLLM backends).
+# voxbatch GPU worker: one worker process, `python -m voxbatch.worker.main` (CosyVoice2 engine, torch +
+# vLLM backends), for one GPU. The orchestrator (Kubernetes, compose) restarts it; the multi-GPU
+# launcher `voxbatch worker --gpus` is for bare-metal hosts and is not used in containers.
 #
 # Versions, and why:
 # - vLLM 0.33.0 (PyPI) requires torch==2.14.0, and PyPI's torch 2.14.0 Linux wheels are CUDA 13 builds
@@ -49,9 +51,9 @@ RUN useradd --create-home --uid 10001 voxbatch
 USER voxbatch
 WORKDIR /home/voxbatch
 
-# Prometheus metrics (VOXBATCH_METRICS_PORT; a launcher with several GPUs uses port + GPU index).
+# Prometheus metrics (VOXBATCH_METRICS_PORT).
 EXPOSE 9100
-# The launcher passes SIGTERM on: Celery stops taking tasks and finishes those in flight.
+# On SIGTERM the worker stops taking tasks, finishes those in flight and hands back the rest.
 STOPSIGNAL SIGTERM
-ENTRYPOINT ["voxbatch", "worker"]
+ENTRYPOINT ["python", "-m", "voxbatch.worker.main"]
 CMD []

@@ -36,6 +36,23 @@ def tiny_reference(tiny_model_dir) -> dict:
         return {k: z[k] for k in z.files}
 
 
+@pytest.fixture(scope="session")
+def ref(tiny_reference) -> dict:
+    """Short name for `tiny_reference` in the parity tests."""
+    return tiny_reference
+
+
+@pytest.fixture
+def one_torch_thread():
+    """One intra-op thread, as the fixture's references were made (and the test machine is shared)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def pytest_collection_modifyitems(config, items):
     try:
         import torch

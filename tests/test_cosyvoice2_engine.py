@@ -27,6 +27,8 @@ from voxbatch.worker.cosyvoice2.checkpoint import ModelDirError
 from voxbatch.worker.cosyvoice2.engine import CosyVoice2Engine
 from voxbatch.worker.engine import SynthesisRequest
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 REPO = Path(__file__).resolve().parents[1]
 # Batched vs one-at-a-time: the LLM gives the same tokens (asserted exactly) and flow the same mel up
 # to float rounding (~1e-6: padded batches pick other kernels). HiFT integrates F0 into the source phase
@@ -44,14 +46,6 @@ TEXTS = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def voice(tiny_model_dir, tiny_facts) -> VoiceProfile:
     return create_voice(tiny_model_dir, "v1", tiny_model_dir / "prompt_24k.wav", tiny_facts.prompt_text)
@@ -66,7 +60,6 @@ def storage_dir(tmp_path_factory, voice) -> Path:
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir, storage_dir) -> CosyVoice2Engine:
-    torch.set_num_threads(1)
     settings = Settings(engine="cosyvoice2", model_dir=str(tiny_model_dir), storage_url=storage_dir.as_uri(),
                         engine_max_batch=8)
     return CosyVoice2Engine.from_settings(settings)

@@ -21,6 +21,8 @@ import torch
 from voxbatch.worker.cosyvoice2.checkpoint import ModelDirError
 from voxbatch.worker.cosyvoice2.flow import CausalFlow, fixed_noise
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 MEL_TOL = 1e-4
 TIGHT_TOL = 1e-5
 BATCH_TOL = 1e-5
@@ -32,13 +34,7 @@ def model_dir(tiny_model_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def ref(tiny_reference) -> dict[str, np.ndarray]:
-    return tiny_reference
-
-
-@pytest.fixture(scope="module")
 def flow(model_dir: Path) -> CausalFlow:
-    torch.set_num_threads(1)
     return CausalFlow.from_model_dir(model_dir, "cpu", torch.float32)
 
 

@@ -40,15 +40,11 @@ BATCH_TOL = 1e-5
 BATCH_TOL_ONEDNN = 2e-5
 
 
-@pytest.fixture(scope="module")
-def ref(tiny_model_dir: Path) -> dict[str, np.ndarray]:
-    with np.load(tiny_model_dir / "reference.npz") as z:
-        return {k: z[k] for k in z.files if k.startswith(("hift_", "e2e_flow_mel", "e2e_hift_source", "e2e_audio"))}
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
 def hift(tiny_model_dir: Path) -> HiFTGenerator:
-    torch.set_num_threads(1)
     return HiFTGenerator.from_model_dir(tiny_model_dir, "cpu", torch.float32)
 
 

@@ -23,25 +23,13 @@ from voxbatch.worker.cosyvoice2.checkpoint import ModelDirError
 from voxbatch.worker.cosyvoice2.llm import CosyVoice2LM, LlmDims
 from voxbatch.worker.cosyvoice2.llm_backend import LlmRequest
 from voxbatch.worker.cosyvoice2.sampling import OfficialRas, RasConfig, mask_eos, ras_sample, seed_keys, uniforms
-from voxbatch.worker.cosyvoice2.tokenizer import CosyVoice2Tokenizer
+from voxbatch.tokenizer import CosyVoice2Tokenizer
 from voxbatch.worker.cosyvoice2.torch_backend import TorchLlmBackend
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 LOGP_ATOL = 1e-4
 MIXED_MAX_TOKENS = 50  # the longest of `_mixed_requests`
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """The references were made with 1 intra-op thread; the test machine is shared."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def ref(tiny_reference) -> dict[str, np.ndarray]:
-    return tiny_reference
 
 
 @pytest.fixture(scope="module")

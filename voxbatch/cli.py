@@ -231,7 +231,7 @@ def render(path: Path, out: Path = typer.Option(..., help="output folder"),
            no_reuse: bool = typer.Option(False, "--no-reuse", help=NO_REUSE_HELP)):
     """Render a corpus in this process into a local folder (no Redis, no S3): the embedded default."""
     from voxbatch.models import SynthesisParams
-    from voxbatch.worker.local import render_local
+    from voxbatch.embedded import render_local
 
     settings = _settings(engine=engine, llm_backend=llm_backend, model_dir=str(model_dir) if model_dir else None,
                          output_format=format, storage_url=out.resolve().as_uri(), preset=preset,

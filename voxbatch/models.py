@@ -13,6 +13,14 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from voxbatch.settings import AudioFormat, PresetName
 
+# Repetition-aware sampling (RAS) as the official CosyVoice2 yaml sets it (`llm.sampling`): the one
+# home of these numbers; SynthesisParams, the LLM request, the torch sampler and the vLLM processor
+# all default to them.
+RAS_TOP_P = 0.8  # nucleus mass
+RAS_TOP_K = 25  # at most this many nucleus tokens
+RAS_WIN_SIZE = 10  # recent tokens checked for repeats
+RAS_TAU_R = 0.1  # a token seen >= win_size * tau_r times there is redrawn from the full softmax
+
 JobState = Literal["queued", "running", "assembling", "completed", "completed_with_errors", "cancelled", "failed"]
 
 # Ids that become parts of storage keys and Redis keys: no separators, dots or spaces, bounded length.
@@ -37,10 +45,10 @@ class SynthesisParams(Frozen):
     # instruct2 only: e.g. "Speak slowly and warmly."
     instruct_text: str | None = None
     # Repetition-aware sampling (official CosyVoice2 values).
-    top_p: float = Field(0.8, gt=0.0, le=1.0)
-    top_k: int = Field(25, ge=1)
-    win_size: int = Field(10, ge=1)
-    tau_r: float = Field(0.1, ge=0.0, le=1.0)
+    top_p: float = Field(RAS_TOP_P, gt=0.0, le=1.0)
+    top_k: int = Field(RAS_TOP_K, ge=1)
+    win_size: int = Field(RAS_WIN_SIZE, ge=1)
+    tau_r: float = Field(RAS_TAU_R, ge=0.0, le=1.0)
     # Upper bound on speech tokens per segment (random weights never emit EOS: tests set this).
     max_tokens: int | None = Field(None, ge=1)
 

@@ -8,11 +8,13 @@ objects and the managed transfer (which completes a multipart upload atomically)
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
@@ -199,31 +201,29 @@ class S3Storage(Storage):
     def put_file(self, key: str, path: str | Path, content_type: str = "application/octet-stream") -> None:
         self.client.upload_file(str(path), self.bucket, self._key(key), ExtraArgs={"ContentType": content_type})
 
-    def _download(self, key: str, path: str) -> None:
+    @contextlib.contextmanager
+    def _missing_as_key_error(self, key: str) -> Iterator[None]:
+        """S3's "no such key" (NoSuchKey / 404) as the KeyError every Storage raises for a missing key."""
         try:
-            self.client.download_file(self.bucket, self._key(key), path)
+            yield
         except self._client_error as e:
             if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
                 raise KeyError(key) from None
             raise
 
+    def _download(self, key: str, path: str) -> None:
+        with self._missing_as_key_error(key):
+            self.client.download_file(self.bucket, self._key(key), path)
+
     def get(self, key: str) -> bytes:
-        try:
+        with self._missing_as_key_error(key):
             return self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
-        except self._client_error as e:
-            if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
-                raise KeyError(key) from None
-            raise
 
     def copy(self, src: str, dst: str) -> None:
         """Server-side copy: the bytes never pass through this process."""
-        try:
+        with self._missing_as_key_error(src):
             self.client.copy_object(Bucket=self.bucket, Key=self._key(dst),
                                     CopySource={"Bucket": self.bucket, "Key": self._key(src)})
-        except self._client_error as e:
-            if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
-                raise KeyError(src) from None
-            raise
 
     def exists(self, key: str) -> bool:
         try:

@@ -5,7 +5,7 @@
     -> head/tail padded so the room tone lasts head_s / tail_s (acx)
     -> gain to the preset's level target (acx: RMS -20 dB over the whole file; podcast: -16 LUFS,
        BS.1770 via pyloudnorm), iterated with the limiter in the loop because limiting lowers the level
-    -> peak limiter at the preset's ceiling (look-ahead, scipy filters, see `limit`)
+    -> true-peak limiter at the preset's ceiling (look-ahead on the 4x-oversampled envelope, see `limit`)
     -> room tone (acx): a constant bed of seeded white noise at -75 dBFS RMS under the whole file
     -> encoded by the assembler (MP3 192 kb/s CBR for acx, 128 kb/s for podcast, or AAC), then measured
        again from the decoded file (qc.py); when encoding pushed a peak over, the ceiling is lowered
@@ -17,12 +17,13 @@ ACX's reviewers reject files whose gaps drop to digital zero ("dead air") as edi
 constant bed makes the gaps between segments sound like one recording. -75 dB leaves 15 dB of margin
 to the -60 dB limit after MP3 encoding.
 
-The limiter: pedalboard's `Limiter` was measured and is not a ceiling limiter: it adds up to
-3.75 dB - threshold of make-up gain and hard-clips at 0 dBFS (a -30 dBFS sine with threshold -6 came out
+The limiter: pedalboard's `Limiter` was measured and is not a ceiling limiter: it adds (3.75 dB minus
+its threshold) of make-up gain and hard-clips at 0 dBFS (a -30 dBFS sine with threshold -6 came out
 at -20.25 dBFS), so it cannot hold peaks at -3 dBFS without clipping. `limit` is a look-ahead gain
 computer in two scipy filters: the gain at each sample is the mean, over +-attack, of the minimum,
-over +-(attack+hold), of the gain each sample needs to stay under the ceiling, so no sample exceeds it
-and the gain moves in ramps of 2 x attack (5 ms) instead of clipping.
+over +-(attack+hold), of the gain each sample needs to keep its true-peak envelope (the 4x-oversampled
+magnitude, soxr) under the ceiling, so no sample or inter-sample peak exceeds it and the gain moves in
+ramps of 2 x attack (5 ms) instead of clipping.
 
 Memory: one chapter file (<= 120 min) in memory at 44.1 kHz float32 (1.3 GB at 120 min) plus the
 limiter's gain arrays, processed in blocks.
@@ -30,7 +31,7 @@ limiter's gain arrays, processed in blocks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import numpy as np
@@ -54,7 +55,7 @@ class Preset:
     kbps: int  # constant bit rate
     level: Literal["rms", "lufs"]  # what the gain targets
     target_db: float
-    ceiling_db: float  # limiter ceiling in dBFS (sample peak), below the rule's limit for codec overshoot
+    ceiling_db: float  # limiter ceiling, true peak (dBTP), below the rule's limit for codec overshoot
     head_s: float | None = None  # room tone at the head (None: the assembled lead stays as it is)
     tail_s: float | None = None
     room_tone_dbfs: float | None = None
@@ -66,8 +67,8 @@ PRESETS: dict[str, Preset] = {
     # ACX: RMS -23..-18 (target the middle), peaks <= -3 dBFS (ceiling 1 dB lower: MP3 overshoots),
     # room tone 0.5-1 s head (0.7) and 1-5 s tail (1.5: short files, such as credits, keep their RMS up).
     "acx": Preset("acx", "mp3", 192, "rms", -20.0, -4.0, head_s=0.7, tail_s=1.5, room_tone_dbfs=ROOM_TONE_DBFS),
-    # Podcast: -16 LUFS +-1, true peak <= -1 dBTP (ceiling 1.5 dB lower for inter-sample and MP3 peaks).
-    "podcast": Preset("podcast", "mp3", 128, "lufs", -16.0, -2.5),
+    # Podcast: -16 LUFS +-1, true peak <= -1 dBTP (ceiling 1 dB lower: MP3 encoding adds peaks).
+    "podcast": Preset("podcast", "mp3", 128, "lufs", -16.0, -2.0),
 }
 
 
@@ -77,7 +78,7 @@ def preset_for(name: str, job_format: str) -> Preset | None:
         return None
     p = PRESETS[name]
     if name == "podcast" and job_format == "m4a":
-        return Preset(**{**p.__dict__, "fmt": "m4a", "kbps": 96})
+        return replace(p, fmt="m4a", kbps=96)
     return p
 
 
@@ -88,9 +89,22 @@ class Mastered:
     gain_db: float  # gain before the limiter
 
 
+def true_peak_envelope(x: np.ndarray, sample_rate: int) -> np.ndarray:
+    """Per sample, the largest magnitude of the signal oversampled 4x around it (soxr): the peaks a
+    DAC or a decoder reconstructs between samples, which BS.1770's true peak measures."""
+    import soxr
+
+    up = soxr.resample(x, sample_rate, sample_rate * 4, quality="HQ")
+    n = min(len(x), len(up) // 4)
+    env = np.abs(x).astype(np.float32)
+    env[:n] = np.maximum(env[:n], np.abs(up[: n * 4]).reshape(n, 4).max(axis=1))
+    return env
+
+
 def limit(x: np.ndarray, sample_rate: int, ceiling_db: float, attack_ms: float = 2.5,
-          hold_ms: float = 5.0) -> np.ndarray:
-    """Look-ahead peak limiter: no sample over `ceiling_db` dBFS, gain ramps of 2 x attack."""
+          hold_ms: float = 5.0, envelope: np.ndarray | None = None) -> np.ndarray:
+    """Look-ahead peak limiter: no sample (with `envelope`, e.g. `true_peak_envelope`: no true peak)
+    over `ceiling_db`, gain ramps of 2 x attack."""
     from scipy.ndimage import minimum_filter1d, uniform_filter1d
 
     ceiling = 10 ** (ceiling_db / 20)
@@ -101,7 +115,8 @@ def limit(x: np.ndarray, sample_rate: int, ceiling_db: float, attack_ms: float =
     for start in range(0, len(x), LIMIT_BLOCK):
         lo, hi = max(0, start - margin), min(len(x), start + LIMIT_BLOCK + margin)
         block = x[lo:hi]
-        need = np.minimum(1.0, ceiling / np.maximum(np.abs(block), 1e-12)).astype(np.float32)
+        peak = np.abs(block) if envelope is None else envelope[lo:hi]
+        need = np.minimum(1.0, ceiling / np.maximum(peak, 1e-12)).astype(np.float32)
         held = minimum_filter1d(need, size=2 * (a + h) + 1, mode="nearest")
         gain = uniform_filter1d(held, size=2 * a + 1, mode="nearest")
         gain = np.minimum(gain, need)  # float rounding in the mean must not let a sample through
@@ -141,10 +156,12 @@ def master(audio: np.ndarray, sample_rate: int, preset: Preset, *, ceiling_offse
         x = np.concatenate([np.zeros(head_pad, np.float32), x, np.zeros(tail_pad, np.float32)])
     bed = room_tone(len(x), preset.room_tone_dbfs, seed) if preset.room_tone_dbfs is not None else None
     ceiling = preset.ceiling_db - ceiling_offset_db
+    envelope = true_peak_envelope(x, sr)  # of the signal before gain: it scales with the gain
     out = x
     prev: tuple[float, float] | None = None  # (gain, level) of the step before
     for _ in range(MAX_GAIN_STEPS):
-        out = limit(x * np.float32(10 ** (gain_db / 20)), sr, ceiling)
+        g = np.float32(10 ** (gain_db / 20))
+        out = limit(x * g, sr, ceiling, envelope=envelope * g)
         if bed is not None:
             out = out + bed
         got = _level(out, sr, preset.level)

@@ -1,15 +1,21 @@
 """Text normalization before segmentation: what the speaker should read, in words.
 
 Per paragraph: detect Chinese vs English, run text normalization (TN: numbers, dates, units, symbols to
-words) with `wetext` when it is installed, then the cleanups of the official CosyVoice2 frontend:
+words) with `wetext` (as the official frontend does), then the cleanups of the official CosyVoice2
+frontend:
 
 - zh: blanks removed except between two ASCII words, ²/³ to 平方/立方, sentence dots to "。",
   " - " to "，", full-width brackets and backticks removed, dashes ("——", "—") to "，", a trailing
   comma turned into "。";
 - en: numbers left over by TN spelled out, whitespace collapsed.
 
-`wetext` (FST grammars shipped inside the wheel, works offline) is an optional dependency of the
-producer: without it a light rule-based TN of our own is used (`light_tn_en`, `light_tn_zh`).
+`wetext` (FST grammars shipped inside the wheel, works offline) is required. A few rules run around it
+where it reads differently from a speaker: money and thousands separators, clock times with a.m./p.m.,
+decades and roman chapter numbers before it; "nineteen zero five" -> "oh", month capitals after it
+(en); "~" between numbers and digit runs of 17+ (zh) before it. If wetext raises on a paragraph (its
+FST code has internal asserts), the paragraph's remaining digits are spelled out plainly instead of
+failing the book: there is no second TN of our own (the earlier built-in one was dropped once wetext,
+with the rules above, covered each of its cases: tests/test_segment.py `WETEXT_CASES`).
 
 Deviations from the official frontend, on purpose:
 - a paragraph is Chinese when it has at least as many Han characters as Latin words (official: any Han
@@ -47,44 +53,34 @@ def is_only_punctuation(text: str) -> bool:
     return all(unicodedata.category(c)[0] in "PSZ" or c.isspace() for c in text)
 
 
-def normalize_text(text: str, lang: Lang | None = None, *, use_wetext: bool = True) -> str:
+def normalize_text(text: str, lang: Lang | None = None) -> str:
     """Normalize one paragraph (newlines inside are treated as blanks)."""
     text = _INVISIBLE.sub("", text)
     text = " ".join(text.split())
     if not text or ("<|" in text and "|>" in text):
         return text  # special tokens inside: left as written (the official frontend does the same)
     lang = lang or detect_lang(text)
-    return _normalize_zh(text, use_wetext) if lang == "zh" else _normalize_en(text, use_wetext)
+    return _normalize_zh(text) if lang == "zh" else _normalize_en(text)
 
 
 # --------------------------------------------------------------------------------------------------------
-# wetext (optional)
+# wetext
 
 
 @functools.lru_cache(maxsize=2)
 def _wetext_normalizer(lang: Lang):
-    """A cached wetext Normalizer, or None when wetext is not installed."""
-    try:
-        from wetext import Normalizer
-    except ImportError:
-        log.info("wetext is not installed: using the light built-in text normalization")
-        return None
+    """A cached wetext Normalizer (loading its FSTs takes a moment)."""
+    from wetext import Normalizer
+
     return Normalizer(lang=lang, operator="tn", remove_erhua=False)
 
 
-def wetext_available() -> bool:
-    return _wetext_normalizer("en") is not None
-
-
 def _wetext(text: str, lang: Lang) -> str | None:
-    """wetext TN of one paragraph, or None (not installed, or it failed on this input)."""
-    normalizer = _wetext_normalizer(lang)
-    if normalizer is None:
-        return None
+    """wetext TN of one paragraph, or None when it failed on this input."""
     try:
-        out = normalizer.normalize(text)
-    except Exception as e:  # third-party FST code with internal asserts; fall back rather than fail a book
-        log.warning("wetext failed on %r (%s: %s); using the light normalization", text[:80], type(e).__name__, e)
+        out = _wetext_normalizer(lang).normalize(text)
+    except Exception as e:  # third-party FST code with internal asserts; spell digits rather than fail a book
+        log.warning("wetext failed on %r (%s: %s); spelling its digits plainly", text[:80], type(e).__name__, e)
         return None
     # wetext escapes ASCII double quotes in its output.
     return out.replace('\\"', '"') if '\\"' not in text else out
@@ -100,8 +96,6 @@ _ONES = (
 ).split()
 _TENS = "_ _ twenty thirty forty fifty sixty seventy eighty ninety".split()
 _SCALES = ["", "thousand", "million", "billion", "trillion"]
-_ORDINAL_IRREGULAR = {"one": "first", "two": "second", "three": "third", "five": "fifth", "eight": "eighth",
-                      "nine": "ninth", "twelve": "twelfth"}
 
 
 def _below_thousand(n: int) -> str:
@@ -139,29 +133,12 @@ def number_to_words(n: int) -> str:
     return out
 
 
-def ordinal_to_words(n: int) -> str:
-    words = number_to_words(n)
-    head, sep, last = words.rpartition(" ") if " " in words else ("", "", words)
-    prefix, hy, unit = last.rpartition("-")
-    if unit in _ORDINAL_IRREGULAR:
-        unit = _ORDINAL_IRREGULAR[unit]
-    elif unit.endswith("y"):
-        unit = unit[:-1] + "ieth"
-    else:
-        unit += "th"
-    return head + sep + prefix + hy + unit
-
-
 def _digits_en(digits: str) -> str:
     return " ".join(_ONES[int(d)] for d in digits)
 
 
 _GROUPED = re.compile(r"(?<![\d.,])\d{1,3}(?:,\d{3})+(?![\d]|[.,]\d)")
 _MONEY = re.compile(r"([$£€])(\d{1,3}(?:,\d{3})+|\d+)(?:\.(\d{2}))?(?!\d)")
-_YEARISH = re.compile(r"(?<![\d.,])1[1-9]\d\d(?![\d]|[.,]\d)")
-_PERCENT = re.compile(r"(\d+(?:\.\d+)?)\s?%")
-_ORDINAL = re.compile(r"\b(\d+)(st|nd|rd|th)\b", re.IGNORECASE)
-_DECIMAL = re.compile(r"(?<![\d.])(\d+)\.(\d+)(?![.\d])")
 _DIGITS = re.compile(r"\d+")
 _CURRENCY = {"$": ("dollar", "dollars", "cent", "cents"), "£": ("pound", "pounds", "penny", "pence"),
              "€": ("euro", "euros", "cent", "cents")}
@@ -183,28 +160,6 @@ def _money_en(m: re.Match) -> str:
         c = int(m.group(3))
         out += f" and {number_to_words(c)} {cent if c == 1 else cents}"
     return out
-
-
-def _decimal_en(m: re.Match) -> str:
-    return f"{number_to_words(int(m.group(1)))} point {_digits_en(m.group(2))}"
-
-
-def _year_en(m: re.Match) -> str:
-    """1100-1999 read in pairs: 1984 -> "nineteen eighty-four", 1900 -> "nineteen hundred"."""
-    high, low = divmod(int(m.group()), 100)
-    if low == 0:
-        return f"{number_to_words(high)} hundred"
-    return f"{number_to_words(high)} {'oh ' + _ONES[low] if low < 10 else number_to_words(low)}"
-
-
-def light_tn_en(text: str) -> str:
-    """Built-in English TN: money, percents, ordinals, decimals, years, then all other numbers."""
-    text = _MONEY.sub(_money_en, text)
-    text = _PERCENT.sub(lambda m: _DECIMAL.sub(_decimal_en, m.group(1)) + " percent", text)
-    text = _ORDINAL.sub(lambda m: ordinal_to_words(int(m.group(1))), text)
-    text = _DECIMAL.sub(_decimal_en, text)
-    text = _YEARISH.sub(_year_en, text)
-    return spell_out_numbers(text)
 
 
 _ROMAN_AFTER = re.compile(
@@ -253,6 +208,23 @@ def clock_times_en(text: str) -> str:
 _MONTHS = ("january february march april may june july august september october november december").split()
 
 
+# Years wetext reads digit by digit after the century ("1905" -> "nineteen zero five"): a speaker says "oh".
+_YEAR_ZERO = re.compile(r"\b(eleven|twelve|thirteen|fourteen|fifteen|sixteen|seventeen|eighteen|nineteen) zero "
+                        r"(one|two|three|four|five|six|seven|eight|nine)\b")
+_YEAR_OH = re.compile(r"(?<![\d.,])1[1-9]0[1-9](?![\d]|[.,]\d)")
+# Decades ("the 1990s", "1900s", "2010s"), which wetext reads as "... nine hundred seconds".
+_DECADE = re.compile(r"(?<![\d.,'])(1[1-9]\d0|20[1-9]0|2000)s\b")
+
+
+def _decade_en(m: re.Match) -> str:
+    year = int(m.group(1))
+    if year == 2000:
+        return "two thousands"
+    high, low = divmod(year, 100)
+    words = f"{number_to_words(high)} {'hundred' if low == 0 else number_to_words(low)}"
+    return words[:-1] + "ies" if words.endswith("y") else words + "s"
+
+
 def capitalize_months(original: str, normalized: str) -> str:
     """Month names TN lowercased ("the fifth of january") capitalised again.
 
@@ -265,19 +237,24 @@ def capitalize_months(original: str, normalized: str) -> str:
     return normalized
 
 
-def _normalize_en(text: str, use_wetext: bool) -> str:
+def _normalize_en(text: str) -> str:
     original = text
     # "Chapter XII" -> "Chapter twelve": TN leaves roman numerals alone, a speaker would say them as letters.
     text = _ROMAN_AFTER.sub(lambda m: f"{m.group(1)} {number_to_words(roman_to_int(m.group(2)))}", text)
     text = clock_times_en(text)
+    text = _DECADE.sub(_decade_en, text)
     # Money and thousands separators first: wetext 0.1.8 reads "1,234" as "thousand two hundred ..."
     # (it drops the "one").
     text = _MONEY.sub(_money_en, text)
     text = _GROUPED.sub(lambda m: number_to_words(int(m.group().replace(",", ""))), text)
     if not _EN_NEEDS_TN.search(text):
         return " ".join(text.split())
-    out = _wetext(text, "en") if use_wetext else None
-    text = light_tn_en(text) if out is None else capitalize_months(original, spell_out_numbers(out))
+    out = _wetext(text, "en")
+    if out is not None:
+        if _YEAR_OH.search(original):
+            out = _YEAR_ZERO.sub(r"\1 oh \2", out)
+        out = capitalize_months(original, out)
+    text = spell_out_numbers(text if out is None else out)
     return " ".join(text.split())
 
 
@@ -333,30 +310,6 @@ def _zh_digits(digits: str) -> str:
     return "".join(_ZH_DIGITS[int(d)] for d in digits)
 
 
-_ZH_YEAR = re.compile(r"(\d{2,4})(?=年)")
-_ZH_PERCENT = re.compile(r"(\d+(?:\.\d+)?)\s?[%％]")
-_ZH_DECIMAL = re.compile(r"(\d+)\.(\d+)")
-_ZH_MINUS = re.compile(r"(?<![\dA-Za-z])-(?=\d)")
-_ZH_UNITS_MAP = {"℃": "摄氏度", "°C": "摄氏度", "°": "度", "~": "至", "～": "至"}
-
-
-def _zh_decimal(s: str) -> str:
-    m = _ZH_DECIMAL.fullmatch(s)
-    return f"{zh_number(int(m.group(1)))}点{_zh_digits(m.group(2))}" if m else zh_number(int(s))
-
-
-def light_tn_zh(text: str) -> str:
-    """Built-in Chinese TN: years digit by digit, percents, decimals, cardinals."""
-    text = _GROUPED.sub(lambda m: m.group().replace(",", ""), text)
-    text = _ZH_YEAR.sub(lambda m: _zh_digits(m.group(1)), text)
-    text = _ZH_MINUS.sub("负", text)
-    for symbol, words in _ZH_UNITS_MAP.items():
-        text = text.replace(symbol, words)
-    text = _ZH_PERCENT.sub(lambda m: "百分之" + _zh_decimal(m.group(1)), text)
-    text = _ZH_DECIMAL.sub(lambda m: _zh_decimal(m.group()), text)
-    return _DIGITS.sub(lambda m: zh_number(int(m.group())) if len(m.group()) < 17 else _zh_digits(m.group()), text)
-
-
 def remove_blanks_zh(text: str) -> str:
     """Drop blanks, except a single one between two ASCII non-blank characters ("iPhone 15")."""
     text = " ".join(text.split())
@@ -376,9 +329,18 @@ _ZH_DASH = re.compile(r"[—―]+")
 _ZH_TRAILING_COMMA = re.compile(r"[，,、]+$")
 
 
-def _normalize_zh(text: str, use_wetext: bool) -> str:
-    out = _wetext(text, "zh") if use_wetext else None
-    text = light_tn_zh(text) if out is None else out
+_ZH_RANGE = re.compile(r"(?<=\d)\s*[~～]\s*(?=\d)")  # "20~30" -> "20至30" (wetext leaves "~")
+_ZH_LONG_DIGITS = re.compile(r"\d{17,}")  # ids and codes, read digit by digit (wetext mixes in a cardinal)
+
+
+def _zh_fallback(text: str) -> str:
+    return _DIGITS.sub(lambda m: zh_number(int(m.group())) if len(m.group()) < 17 else _zh_digits(m.group()), text)
+
+
+def _normalize_zh(text: str) -> str:
+    text = _ZH_LONG_DIGITS.sub(lambda m: _zh_digits(m.group()), _ZH_RANGE.sub("至", text))
+    out = _wetext(text, "zh")
+    text = (_zh_fallback(text) if out is None else out).replace("~", "").replace("～", "")  # no tilde read aloud
     text = " ".join(text.split()).replace(" - ", "，")
     text = remove_blanks_zh(text)
     text = text.replace("²", "平方").replace("³", "立方")

@@ -35,7 +35,7 @@ def segment_length_fn(settings: Settings, voice: str, engine: str | None = None)
     """
     if engine == "tone" or is_builtin_voice(voice) or not settings.model_dir:
         return None
-    from voxbatch.worker.cosyvoice2.tokenizer import CosyVoice2Tokenizer
+    from voxbatch.tokenizer import CosyVoice2Tokenizer
 
     return CosyVoice2Tokenizer.from_model_dir(settings.model_dir).token_length
 

@@ -1,5 +1,9 @@
 """`voxbatch worker --gpus 0,1`: one pinned worker process per GPU, restarted if it dies.
 
+For bare-metal hosts with several GPUs and no orchestrator. Containers do not use it: each runs one
+`python -m voxbatch.worker.main` and Kubernetes or compose restarts it (infra/, compose.yaml), so
+nothing supervises what the orchestrator already supervises.
+
 CUDA_VISIBLE_DEVICES is set in each child's environment before the child starts, so the pinning
 holds before anything imports torch. A child that exits unexpectedly (SIGKILL, OOM, a pipeline
 thread that died) is started again after a jittered backoff (voxbatch/outage.py) that doubles with

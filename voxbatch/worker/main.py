@@ -1,7 +1,8 @@
 """One worker process: pinned to at most one GPU, engine built and warmed, then Celery consumes.
 
-Run by the launcher (`voxbatch worker --gpus ...`) with CUDA_VISIBLE_DEVICES already set, so nothing
-in this process can touch another GPU. Celery runs the thread pool: the CUDA context lives in this
+A container's entry point (the orchestrator exposes one GPU and restarts the process), or started by
+the bare-metal launcher (`voxbatch worker --gpus ...`) with CUDA_VISIBLE_DEVICES already set; either
+way nothing in this process can touch another GPU. Celery runs the thread pool: the CUDA context lives in this
 one process and is never forked.
 
 Shutdown (SIGTERM from the launcher, Kubernetes or compose): Celery stops consuming and waits for the
@@ -91,8 +92,9 @@ def serve(gpu: str | None, concurrency: int | None, queues: str | None, hostname
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="one voxbatch worker process (started by `voxbatch worker`)")
-    parser.add_argument("--gpu", default=None)
+    parser = argparse.ArgumentParser(description="one voxbatch worker process: a container's entry point, or "
+                                                 "started per GPU by `voxbatch worker --gpus` on a bare-metal host")
+    parser.add_argument("--gpu", default=None, help="GPU index for the metrics label and port (CUDA_VISIBLE_DEVICES pins)")
     parser.add_argument("--concurrency", type=int, default=None)
     parser.add_argument("--queues", default=None)
     parser.add_argument("--hostname", default=None)

@@ -3,9 +3,9 @@
 Two things live here, both dependency-light (prometheus_client, and redis for the exporter):
 
 * `Metrics`: what one worker process (one GPU, or one LLM+flow GPU pair) reports. The pipeline calls
-  a handful of methods (`batch_done`, `segment_stored`, `segment_failed`, `track_queues`); everything
-  else is read at scrape time. Labels are only `worker` and `gpu`, fixed per process, so the number
-  of time series does not grow with jobs or segments. prometheus_client's metric objects are
+  a handful of methods (`batch_done`, `segment_stored`, `segment_failed`); everything else, queue
+  depths included (`track_queues`), is read at scrape time. Labels are only `worker` and `gpu`, fixed
+  per process, so the number of time series does not grow with jobs or segments. prometheus_client's metric objects are
   thread-safe, so engine, upload and Celery threads may call in at once.
 
 * The load exporter (`python -m voxbatch.worker.metrics`): serves `voxbatch_segments_outstanding`, read from

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import yaml
 
-from voxbatch.worker.cosyvoice2.model_files import MODEL_FILES, ModelDirError
+from voxbatch.model_files import MODEL_FILES, ModelDirError
 
 __all__ = ["MODEL_FILES", "ModelDirError", "check_keys", "load_state_dict", "read_config", "section"]
 

@@ -36,7 +36,7 @@ from voxbatch.worker.cosyvoice2.flow import CausalFlow
 from voxbatch.worker.cosyvoice2.hift import HiFTGenerator
 from voxbatch.worker.cosyvoice2.hub import resolve_model_dir
 from voxbatch.worker.cosyvoice2.llm_backend import LlmBackend, LlmRequest
-from voxbatch.worker.cosyvoice2.tokenizer import CosyVoice2Tokenizer
+from voxbatch.tokenizer import CosyVoice2Tokenizer
 from voxbatch.worker.engine import Engine, SynthesisRequest, SynthesisResult
 
 log = logging.getLogger(__name__)
@@ -230,7 +230,7 @@ class CosyVoice2Engine(Engine):
         """Model files plus what changes the numbers (LLM backend, dtypes): a segment rendered in bf16
         is not reused for an fp32 worker. Hashing the files takes seconds, so it is done once."""
         if self._fingerprint is None:
-            from voxbatch.worker.cosyvoice2.model_files import model_digest
+            from voxbatch.model_files import model_digest
 
             digest = model_digest(self.model_dir) if self.model_dir is not None else f"unsaved-{id(self)}"
             p = self.placement

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from voxbatch.worker.cosyvoice2.model_files import MODEL_FILES, ModelDirError
+from voxbatch.model_files import MODEL_FILES, QWEN_DIR, ModelDirError
 
 HUB_REPO = "FunAudioLLM/CosyVoice2-0.5B"
 # What the engine itself reads (the two ONNX files are only needed to make voices, producer side).
-ENGINE_FILES = ("cosyvoice2.yaml", "llm.pt", "flow.pt", "hift.pt", "CosyVoice-BlankEN")
+ENGINE_FILES = ("cosyvoice2.yaml", "llm.pt", "flow.pt", "hift.pt", QWEN_DIR)
 
 HOW_TO_PROVIDE = (
     "provide CosyVoice2 weights with --model-dir DIR or VOXBATCH_MODEL_DIR=DIR (an official CosyVoice2-0.5B "

@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from voxbatch.model_files import QWEN_DIR
 from voxbatch.worker.cosyvoice2.checkpoint import ModelDirError, check_keys, load_state_dict, read_config, section
 
-QWEN_DIR = "CosyVoice-BlankEN"
 SOS, TASK_ID = 0, 1  # rows of `llm_embedding`
 
 

@@ -13,6 +13,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from voxbatch.models import RAS_TAU_R, RAS_TOP_K, RAS_TOP_P, RAS_WIN_SIZE
+
 
 @dataclass(frozen=True)
 class LlmRequest:
@@ -21,10 +23,10 @@ class LlmRequest:
     min_tokens: int  # eos is masked before this many tokens (official: 2 * len(target text tokens))
     max_tokens: int  # hard cap (official: 20 * len(target text tokens))
     seed: int
-    top_p: float = 0.8
-    top_k: int = 25
-    win_size: int = 10
-    tau_r: float = 0.1
+    top_p: float = RAS_TOP_P  # repetition-aware sampling, the official values by default
+    top_k: int = RAS_TOP_K
+    win_size: int = RAS_WIN_SIZE
+    tau_r: float = RAS_TAU_R
     greedy: bool = False  # argmax instead of RAS (parity tests, debugging)
 
 

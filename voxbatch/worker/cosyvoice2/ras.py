@@ -32,6 +32,8 @@ from vllm.sampling_params import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 from vllm.v1.sample.logits_processor import LogitsProcessor as V1LogitsProcessor
 
+from voxbatch.models import RAS_TAU_R, RAS_TOP_K, RAS_TOP_P, RAS_WIN_SIZE
+
 EXTRA_ARGS_KEY = "cosyvoice2_ras"
 
 
@@ -39,10 +41,10 @@ EXTRA_ARGS_KEY = "cosyvoice2_ras"
 class RasParams:
     eos_id: int  # speech_token_size
     min_tokens: int  # eos masked while fewer tokens than this were decoded
-    top_p: float = 0.8
-    top_k: int = 25
-    win_size: int = 10
-    tau_r: float = 0.1
+    top_p: float = RAS_TOP_P
+    top_k: int = RAS_TOP_K
+    win_size: int = RAS_WIN_SIZE
+    tau_r: float = RAS_TAU_R
     greedy: bool = False
 
     @property

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from voxbatch.models import RAS_TAU_R, RAS_TOP_K, RAS_TOP_P, RAS_WIN_SIZE
 from voxbatch.worker.cosyvoice2.checkpoint import read_config, section
 
 _M32 = 0xFFFFFFFF
@@ -34,10 +35,10 @@ _DRAW_NUCLEUS, _DRAW_FULL = 1, 2  # stream ids of the two uniforms drawn at each
 class RasConfig:
     """The yaml `llm.sampling` (`ras_sampling`) parameters."""
 
-    top_p: float = 0.8
-    top_k: int = 25
-    win_size: int = 10
-    tau_r: float = 0.1
+    top_p: float = RAS_TOP_P
+    top_k: int = RAS_TOP_K
+    win_size: int = RAS_WIN_SIZE
+    tau_r: float = RAS_TAU_R
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> RasConfig:
@@ -123,10 +124,10 @@ def ras_sample(
     recent: Tensor,  # (B, W) the last W decoded tokens, oldest first, -1 where there are fewer
     u_nucleus: Tensor,  # (B,) uniforms for the nucleus draw
     u_full: Tensor,  # (B,) uniforms for the fallback draw
-    top_p: Tensor | float = 0.8,
-    top_k: Tensor | int = 25,
-    win_size: Tensor | int = 10,
-    tau_r: Tensor | float = 0.1,
+    top_p: Tensor | float = RAS_TOP_P,
+    top_k: Tensor | int = RAS_TOP_K,
+    win_size: Tensor | int = RAS_WIN_SIZE,
+    tau_r: Tensor | float = RAS_TAU_R,
 ) -> Tensor:
     """The two-step RAS procedure for a batch; a plain callable so tests can Monte-Carlo it."""
     top = nucleus_sample(logp, u_nucleus, top_p, top_k)

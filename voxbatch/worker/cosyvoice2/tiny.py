@@ -30,7 +30,8 @@ import soundfile as sf
 import torch
 
 from voxbatch.worker.cosyvoice2.checkpoint import read_config
-from voxbatch.worker.cosyvoice2.tokenizer import QWEN2_SPLIT, TOKENIZER_DIR
+from voxbatch.model_files import QWEN_DIR
+from voxbatch.tokenizer import QWEN2_SPLIT
 
 BASE_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # Qwen2's own, right after the BPE vocabulary
 STOP_BIAS = -30.0  # llm_decoder bias of eos and the two other stop ids: never sampled
@@ -456,7 +457,7 @@ def make_tiny(out_dir: str | Path, seed: int = 0, dims: TinyDims | None = None, 
         raise FileExistsError(f"{out} is not empty (pass overwrite=True / --force to write into it)")
     out.mkdir(parents=True, exist_ok=True)
     (out / "cosyvoice2.yaml").write_text(YAML_TEMPLATE.format(d=d, seed=seed), encoding="utf-8")
-    folder = out / TOKENIZER_DIR
+    folder = out / QWEN_DIR
     base_vocab = write_tokenizer(folder, d)
     _write_json(folder / "config.json", _qwen_config(d, base_vocab))
     _write_json(folder / "generation_config.json", {"bos_token_id": base_vocab, "eos_token_id": base_vocab, "max_new_tokens": 2048})

@@ -27,12 +27,11 @@ from typing import Any
 import torch
 
 from voxbatch.worker.cosyvoice2.checkpoint import load_state_dict
+from voxbatch.worker.cosyvoice2.llm import SOS, TASK_ID, LlmDims
 from voxbatch.worker.cosyvoice2.llm_backend import LlmBackend, LlmRequest, LlmResult
-from voxbatch.worker.cosyvoice2.vllm_export import LlmDims, export_for_vllm, read_dims
+from voxbatch.worker.cosyvoice2.vllm_export import export_for_vllm
 
 log = logging.getLogger(__name__)
-
-SOS, TASK_ID = 0, 1  # rows of llm_embedding
 
 
 class PromptEmbedder:
@@ -85,7 +84,7 @@ class VllmLlmBackend(LlmBackend):
         from voxbatch.worker.cosyvoice2 import vllm_model
 
         self.options = options or VllmOptions()
-        self.dims = read_dims(model_dir)
+        self.dims = LlmDims.from_model_dir(model_dir)
         self.embedder = PromptEmbedder(model_dir, self.dims)
         folder = export_for_vllm(model_dir, self.options.export_cache_dir)
         vllm_model.register()

@@ -18,13 +18,13 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-from voxbatch.worker.cosyvoice2.checkpoint import ModelDirError, load_state_dict, read_config, section
+from voxbatch.worker.cosyvoice2.checkpoint import ModelDirError, load_state_dict
+from voxbatch.worker.cosyvoice2.llm import QWEN_DIR, LlmDims
 
 EXPORTER_VERSION = 1
 ARCHITECTURE = "CosyVoice2SpeechLM"  # registered with vLLM by voxbatch.worker.cosyvoice2.vllm_model.register()
@@ -41,26 +41,6 @@ _RENAMES = {
     "llm_decoder.bias": "lm_head.bias",
 }
 _SKIPPED = {"llm_embedding.weight", "llm.model.lm_head.weight", _BODY_PREFIX + "embed_tokens.weight"}
-
-
-@dataclass(frozen=True)
-class LlmDims:
-    speech_token_size: int  # S; the vocabulary is S + 3 (eos = S, two more stop ids)
-    hidden_size: int  # D
-
-    @property
-    def vocab_size(self) -> int:
-        return self.speech_token_size + 3
-
-    @property
-    def stop_ids(self) -> tuple[int, int, int]:
-        s = self.speech_token_size
-        return (s, s + 1, s + 2)
-
-
-def read_dims(model_dir: str | Path) -> LlmDims:
-    llm = section(read_config(model_dir), "llm")
-    return LlmDims(speech_token_size=int(llm["speech_token_size"]), hidden_size=int(llm["llm_output_size"]))
 
 
 def _stamp(model_dir: Path) -> dict[str, object]:
@@ -85,16 +65,12 @@ def _is_current(folder: Path, stamp: dict[str, object]) -> bool:
 
 
 def _hf_config(model_dir: Path, dims: LlmDims) -> dict[str, object]:
-    path = model_dir / "CosyVoice-BlankEN" / "config.json"
-    if not path.is_file():
-        raise ModelDirError(f"{path}: missing (the Qwen2 config of the language model)")
-    cfg = json.loads(path.read_text())
-    if cfg.get("hidden_size") != dims.hidden_size:
-        raise ModelDirError(f"{path}: hidden_size {cfg.get('hidden_size')} != yaml llm_output_size {dims.hidden_size}")
+    """The Qwen2 config (`LlmDims.from_model_dir` checked it against the yaml) over the speech vocabulary."""
+    cfg = json.loads((model_dir / QWEN_DIR / "config.json").read_text())
     s = dims.speech_token_size
     cfg.update(
         architectures=[ARCHITECTURE],
-        vocab_size=dims.vocab_size,
+        vocab_size=dims.n_speech,
         tie_word_embeddings=False,
         torch_dtype="float32",
         bos_token_id=s,  # unused (prompts come as embeddings); kept inside the vocabulary
@@ -119,17 +95,17 @@ def _tensors(model_dir: Path, dims: LlmDims) -> dict[str, torch.Tensor]:
     for name in ("model.embed_tokens.weight", "lm_head.weight", "lm_head.bias"):
         if name not in out:
             raise ModelDirError(f"{model_dir / 'llm.pt'}: missing the tensor exported as {name!r}")
-    if out["lm_head.weight"].shape != (dims.vocab_size, dims.hidden_size):
+    if out["lm_head.weight"].shape != (dims.n_speech, dims.hidden):
         raise ModelDirError(
             f"{model_dir / 'llm.pt'}: llm_decoder.weight is {tuple(out['lm_head.weight'].shape)}, "
-            f"expected {(dims.vocab_size, dims.hidden_size)} from speech_token_size {dims.speech_token_size}"
+            f"expected {(dims.n_speech, dims.hidden)} from speech_token_size {dims.speech_token_size}"
         )
     # safetensors wants contiguous tensors that own their storage (llm.pt shares some).
     return {k: v.detach().to(torch.float32).contiguous().clone() for k, v in out.items()}
 
 
 def _write(model_dir: Path, folder: Path, stamp: dict[str, object]) -> None:
-    dims = read_dims(model_dir)
+    dims = LlmDims.from_model_dir(model_dir)
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
     try:

@@ -2,6 +2,10 @@
 
 The same pipeline and assembly as the distributed path; only the job store (in memory) and the
 hand-off to assembly (a direct call instead of a Celery task) differ.
+
+It lives beside the contract, not in either side, because it composes both: imports go one way only,
+`voxbatch.producer` and `voxbatch.worker` each import the shared contract (`voxbatch/*.py`) and never
+each other; this module and the CLI are the only places that use both (tests/test_layering.py).
 """
 
 from __future__ import annotations

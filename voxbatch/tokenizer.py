@@ -6,8 +6,9 @@ at load time, so their ids depend on the order they are added in; `SPECIAL_TOKEN
 We load `tokenizer.json` when present, else rebuild the same pipeline from `vocab.json` + `merges.txt`
 (NFC, Qwen2's split regex, ByteLevel, no BOS), so both layouts of the folder give the same ids.
 
-No torch here: the producer counts tokens with this class to segment text (`producer/submit.py`)
-on machines without torch; a bad folder raises the torch-free `ModelDirError`.
+Part of the shared contract (not of the worker): the producer counts tokens with this class to
+segment text (`producer/submit.py`) on machines without torch, the engine encodes with it; no torch
+here, and a bad folder raises the torch-free `ModelDirError`.
 """
 
 from __future__ import annotations
@@ -17,10 +18,9 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-from voxbatch.worker.cosyvoice2.model_files import MODEL_FILES, ModelDirError
+from voxbatch.model_files import MODEL_FILES, QWEN_DIR, ModelDirError
 
-TOKENIZER_DIR = "CosyVoice-BlankEN"
-WHAT = MODEL_FILES[TOKENIZER_DIR]
+WHAT = MODEL_FILES[QWEN_DIR]
 
 # Added after the base vocabulary in exactly this order (the official `get_qwen_tokenizer` list).
 # Tokens already in the vocabulary (`<|im_start|>`, `<|im_end|>`) keep their ids.
@@ -80,7 +80,7 @@ class CosyVoice2Tokenizer:
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> CosyVoice2Tokenizer:
-        return cls(Path(model_dir) / TOKENIZER_DIR)
+        return cls(Path(model_dir) / QWEN_DIR)
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids

@@ -9,6 +9,8 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+QWEN_DIR = "CosyVoice-BlankEN"  # the Qwen2 folder: config.json and the text tokenizer
+
 # Files an official CosyVoice2-0.5B directory holds, and what each is.
 MODEL_FILES = {
     "cosyvoice2.yaml": "the HyperPyYAML model config",
@@ -17,7 +19,7 @@ MODEL_FILES = {
     "hift.pt": "the HiFTGenerator state dict (torch.save)",
     "campplus.onnx": "the CAM++ speaker-embedding ONNX model",
     "speech_tokenizer_v2.onnx": "the S3 speech tokenizer ONNX model",
-    "CosyVoice-BlankEN": "the Qwen2 tokenizer folder (tokenizer.json or vocab.json + merges.txt)",
+    QWEN_DIR: "the Qwen2 config and tokenizer folder (tokenizer.json or vocab.json + merges.txt)",
 }
 
 
