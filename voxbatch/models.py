@@ -268,6 +268,7 @@ class JobStatus(Frozen):
     created_at: float
     updated_at: float
     errors: dict[str, str] = {}
+    reason: str | None = None  # why the job failed, when the job itself (not a segment) did
     # Segments the sweeper found neither done, failed, queued nor in flight, and re-enqueued.
     swept: int = 0
     reused: int = 0  # segments taken from the content-addressed cache instead of rendered

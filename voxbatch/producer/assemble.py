@@ -31,6 +31,7 @@ file for ffmpeg (the mastered audio when a preset is set, at 44.1 kHz mono).
 
 from __future__ import annotations
 
+import re
 import logging
 import tempfile
 import threading
@@ -616,19 +617,41 @@ def _manifest_items(spec: JobSpec, by_chapter: dict[int, list[Segment]], deliver
     return out
 
 
-def fetch_job(storage: Storage, job_id: str, out_dir: str | Path) -> int:
+# A fetched key becomes a path below --out: printable, no backslash, so it cannot steer the terminal
+# or the path (S3 allows any bytes in a key, "../" and escape sequences included).
+_SAFE_NAME = re.compile(r"[^\x00-\x1f\x7f-\x9f\\]+")
+
+
+def fetch_job(storage: Storage, job_id: str, out_dir: str | Path) -> tuple[int, list[str]]:
     """Download every object under jobs/<id>/ into `out_dir`, keeping the layout below the job.
 
     `out_dir/manifest.json`, `out_dir/chapters/0000.wav`, ... Each file appears whole or not at
-    all (written beside its final name, then renamed). Returns the number of files written.
+    all (written beside its final name, then renamed). A key that cannot be a file there (it would
+    land outside `out_dir`, or collides with a folder) or that vanished is skipped, and the rest
+    fetched. Returns (files written, one line per key skipped).
     """
     out = Path(out_dir).resolve()
     prefix = keys.job_prefix(job_id)
-    count = 0
+    count, skipped = 0, []
     for key in storage.list(prefix):
-        target = (out / key[len(prefix):]).resolve()
+        rest = key[len(prefix):]
+        if not _SAFE_NAME.fullmatch(rest) or any(part in ("", ".", "..") for part in rest.split("/")):
+            skipped.append(f"skipped {ascii(storage.describe(key))}: not a safe file name")
+            continue
+        target = (out / rest).resolve()
         if out not in target.parents:
-            raise StorageError(f"object {storage.describe(key)} would land outside {out}")
-        storage.get_file(key, target)
+            skipped.append(f"skipped {storage.describe(key)}: it would land outside {out}")
+            continue
+        try:
+            storage.get_file(key, target)
+        except KeyError:
+            skipped.append(f"skipped {storage.describe(key)}: gone before it was fetched")
+            continue
+        except StorageError as e:  # a local store's symlink leading out of its root
+            skipped.append(f"skipped {storage.describe(key)}: {e}")
+            continue
+        except OSError as e:  # a key that is also a folder ("a" and "a/b"), a name the OS refuses
+            skipped.append(f"skipped {storage.describe(key)}: cannot write {target} ({e.strerror or e})")
+            continue
         count += 1
-    return count
+    return count, skipped
