@@ -35,6 +35,13 @@ priced with those rates, so the single-Redis ceiling is a measured number on rec
 
 Usage (from the repo root): python -m bench.orchestration [--segments 2000] [--out bench/results/orchestration.json]
 A GPU producing 100 segments/s needs each variant above 100 segments/s.
+
+Re-render after an edit (the content-addressed segment cache, voxbatch/reuse.py): on the s3 setup, a
+book of the same size with every segment's text distinct is rendered in full, then the same book with
+1% of its segments edited is rendered again (a new job, as a resubmitted book is); reported are the
+segments each rendered (the rest reused from storage) and the wall time until every segment is
+recorded, side by side. The three throughput variants above render with reuse off (`JobSpec.reuse`):
+their texts repeat, and they measure the path, not the cache.
 """
 
 from __future__ import annotations
@@ -152,12 +159,19 @@ def install(out_dir):
 '''
 
 
-def make_spec(n: int, sentences_per_segment: int = 1) -> JobSpec:
+def make_spec(n: int, sentences_per_segment: int = 1, *, reuse: bool = False, distinct: bool = False,
+              edit_every: int = 0) -> JobSpec:
+    """`distinct`: every segment's text its own (numbered); `edit_every` > 0: every that-many-th
+    segment edited (the 1%-edited book is edit_every=100)."""
     k = len(SENTENCES)
-    segs = [Segment(chapter=i // 200, index=i % 200,
-                    text=" ".join(SENTENCES[(i + j) % k] for j in range(sentences_per_segment))) for i in range(n)]
+    texts = [" ".join(SENTENCES[(i + j) % k] for j in range(sentences_per_segment)) for i in range(n)]
+    if distinct:
+        texts = [f"{t} Part {i}." for i, t in enumerate(texts)]
+    if edit_every:
+        texts = [f"{t} Revised." if i % edit_every == 0 else t for i, t in enumerate(texts)]
+    segs = [Segment(chapter=i // 200, index=i % 200, text=t) for i, t in enumerate(texts)]
     return JobSpec(id=uuid.uuid4().hex[:12], name="bench", voice="tone", chapters=[f"c{c}" for c in range(n // 200 + 1)],
-                   segments=segs, created_at=time.time(), source="bench")
+                   segments=segs, created_at=time.time(), source="bench", reuse=reuse)
 
 
 def hardware() -> dict:
@@ -449,6 +463,36 @@ def run_inproc(spec: JobSpec, settings: Settings, root: Path) -> dict:
     return {"wall_s": time.perf_counter() - t0, "enqueue_s": 0.0}
 
 
+def run_rerender(n: int, env: dict[str, str], settings: Settings, workdir: Path, edit_every: int = 100) -> dict:
+    """A distinct-text book rendered in full, then with every `edit_every`-th segment edited (new job):
+    segments rendered and wall time of each, one worker process on the s3 setup, cache starting empty."""
+    storage = open_storage(settings)
+    jobs = RedisJobStore.from_url(settings.broker_url)
+    configure_celery(settings)
+    worker = services.VoxbatchProcess(["worker"], env, workdir / "worker-rerender.log").start()
+    out: dict = {"segments": n, "edited_segments": len(range(0, n, edit_every)), "edited_fraction": 1 / edit_every}
+    try:
+        worker.wait_ready(120)
+        for label, spec in (("full", make_spec(n, reuse=True, distinct=True)),
+                            ("edited", make_spec(n, reuse=True, distinct=True, edit_every=edit_every))):
+            t0 = time.perf_counter()
+            storage.put(f"jobs/{spec.id}/job.json", spec.model_dump_json().encode())
+            jobs.create(spec.id, spec.name, spec.voice, spec.format, n, spec.created_at)
+            for task in render_tasks(spec, settings.batch_size):
+                send_render(task, settings.render_queue)
+            services.wait_until(lambda: (s := jobs.status(spec.id)) is not None and s.done + s.failed >= n, 900,
+                                f"rerender {label}", interval_s=0.05)
+            wall = time.perf_counter() - t0
+            status = jobs.status(spec.id)
+            out[label] = {"wall_s": round(wall, 2), "segments_rendered": n - status.reused,
+                          "segments_reused": status.reused, "failed": status.failed,
+                          "segments_per_s_effective": round(n / wall, 1)}
+    finally:
+        worker.stop()
+    out["wall_ratio_edited_to_full"] = round(out["edited"]["wall_s"] / out["full"]["wall_s"], 3)
+    return out
+
+
 # -- the Redis ceiling ---------------------------------------------------------------------------
 
 def redis_benchmark(port: int, args: list[str], n: int, clients: int = 50, pipeline: int = 1,
@@ -568,6 +612,12 @@ def main() -> None:
         message = queued.pop("_message")
         mix = {label: results[label]["redis"]["round_trips_per_segment_by_kind"] for label in variants}
         ceiling = redis_ceiling(redis_server.url, message, mix, args.benchmark_scale)
+        s3_env = {**os.environ, **variants["s3"], "VOXBATCH_RENDER_QUEUE": "render-rerender",
+                  "VOXBATCH_ASSEMBLE_QUEUE": "assemble-rerender",
+                  "VOXBATCH_STORAGE_URL": f"s3://{s3.new_bucket()}/bench"}
+        rerender = run_rerender(args.segments, s3_env, settings_for("s3").model_copy(update={
+            "render_queue": "render-rerender", "assemble_queue": "assemble-rerender",
+            "storage_url": s3_env["VOXBATCH_STORAGE_URL"]}), workdir)
     finally:
         s3.stop()
         redis_server.stop()
@@ -576,7 +626,7 @@ def main() -> None:
         ceiling[label]["segments_per_s_from_path_cpu"] = round(1e6 / cpu_us) if cpu_us > 0 else None
 
     audio_s = sum(tone_duration_s(s.text) for s in make_spec(args.segments).segments)
-    report(args.segments, audio_s, results, queued, ceiling)
+    report(args.segments, audio_s, results, queued, ceiling, rerender)
     hw["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     out = {"benchmark": "orchestration", "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "segments": args.segments, "audio_s": audio_s,
@@ -586,6 +636,7 @@ def main() -> None:
            "settings": {"batch_size": args.batch_size, "upload_threads": args.upload_threads, "task_concurrency": 4,
                         "output_queue_size": 256, "format": "wav", "unacked_restore_interval_s": 5.0},
            "hardware": hw, "results": results, "redis_queued_memory": queued, "redis_ceiling": ceiling,
+           "rerender_after_edit": rerender,
            "command": f"python -m bench.orchestration --segments {args.segments}"}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2))
@@ -593,7 +644,7 @@ def main() -> None:
     shutil.rmtree(workdir, ignore_errors=True)
 
 
-def report(n: int, audio_s: float, results: dict, queued: dict, ceiling: dict) -> None:
+def report(n: int, audio_s: float, results: dict, queued: dict, ceiling: dict, rerender: dict) -> None:
     console = Console(width=150)
     best = max(n / r["wall_s"] for r in results.values())
     table = Table(title=f"voxbatch orchestration: {n} segments, {audio_s / 3600:.2f} h of audio (tone engine)")
@@ -644,6 +695,14 @@ def report(n: int, audio_s: float, results: dict, queued: dict, ceiling: dict) -
                           f"{c['segments_per_s']:,}")
             table.add_row(f"{label}: segments/s from Redis CPU in the real run",
                           f"{c['segments_per_s_from_path_cpu']:,}")
+    console.print(table)
+    table = Table(title=f"re-render after editing {rerender['edited_fraction']:.0%} of a {n}-segment book (s3, one worker)")
+    for col in ("render", "segments rendered", "reused", "wall s", "x of full"):
+        table.add_column(col, justify="right")
+    for label in ("full", "edited"):
+        r = rerender[label]
+        table.add_row(label, str(r["segments_rendered"]), str(r["segments_reused"]), f"{r['wall_s']:.2f}",
+                      f"{r['wall_s'] / rerender['full']['wall_s']:.2f}")
     console.print(table)
 
 

@@ -34,6 +34,7 @@ import queue
 import threading
 import time
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TypeVar
@@ -133,6 +134,9 @@ class Pipeline:
         self.metrics = metrics
         self.on_thread_death = on_thread_death
         self.cache = SegmentCache(storage, engine.fingerprint())
+        # A task's segments are looked up in storage (done? cached?) this many at a time: a resubmitted
+        # book is mostly cache hits, two storage round trips each.
+        self._lookups = ThreadPoolExecutor(settings.upload_threads, thread_name_prefix="lookup")
         self.intake: queue.Queue[SynthesisRequest | None] = queue.Queue()
         self.output: queue.Queue[SynthesisResult | None] = queue.Queue(maxsize=settings.output_queue_size)
         self._stop = threading.Event()
@@ -142,6 +146,7 @@ class Pipeline:
         self._handles_lock = threading.Lock()
         self._abandoned = threading.Event()  # set by abandon() and stop(): submit stops waiting on services
         self.engine_waited_s = 0.0  # time the engine spent blocked on a full output queue
+        self.last_took = 0.0  # unix time the engine last took a batch (the worker heartbeat reports it)
         self._unstored = 0  # results emitted by the engine and not yet stored or failed
         self._unstored_cv = threading.Condition()
 
@@ -188,6 +193,7 @@ class Pipeline:
             self.output.put(None)
         for timer in list(self._timers):
             timer.cancel()
+        self._lookups.shutdown(wait=False, cancel_futures=True)
         deadline = time.monotonic() + timeout_s
         for t in self._threads:
             t.join(timeout=max(0.0, deadline - time.monotonic()))
@@ -248,8 +254,10 @@ class Pipeline:
             self._handles.add(handle)
         try:
             state = self._service(lambda: self.jobs.state(task.job_id), f"job {task.job_id}", stop=self._abandoned)
-            for seg in task.segments:
-                if state == "cancelled" or self._already_stored(handle, seg):
+            stored = ([True] * len(task.segments) if state == "cancelled" else
+                      list(self._lookups.map(lambda seg: self._already_stored(handle, seg), task.segments)))
+            for seg, skip in zip(task.segments, stored):
+                if skip:
                     handle.skipped += 1
                     handle.segment_finished()
                 elif len(seg.text) > self.settings.max_segment_chars:
@@ -273,6 +281,8 @@ class Pipeline:
         where = f"segment {job_id}/{seg.id}"
         if self._service(lambda: self.jobs.is_done(job_id, seg.id), where, stop=self._abandoned):
             return True
+        # The segment's own key before the cache: a redelivery whose first delivery stored it must not
+        # copy over it (an object is written once; bench/chaos.py counts writes per key).
         if not self._service(lambda: self.storage.exists(key), where, stop=self._abandoned):
             return handle.task.reuse and self._reuse(handle, seg)
         # Stored by an earlier delivery that died before recording it: record it now, don't re-render.
@@ -288,9 +298,9 @@ class Pipeline:
     def _reuse(self, handle: TaskHandle, seg: TaskSegment) -> bool:
         """Take the segment's audio from the content-addressed cache when it is there (reuse.py)."""
         task, key = handle.task, _Tag(handle, seg).key
-        cache_key = self.cache.key(task, seg)
         where = f"segment {task.job_id}/{seg.id}"
         try:
+            cache_key = self.cache.key(task, seg)  # KeyError: no such voice (the engine reports it)
             data = self._service(lambda: self.storage.get(cache_key), where, stop=self._abandoned)
             self._service(lambda: self.storage.copy(cache_key, key), where, stop=self._abandoned)
         except KeyError:
@@ -317,6 +327,7 @@ class Pipeline:
         is stored. So a poison segment's next crash takes no batch-mate and no finished audio with it.
         """
         admitted = []
+        self.last_took = time.time()
         pairs = [(r.tag.handle.task.job_id, r.tag.segment.id) for r in batch]
         attempts = self._service(lambda: self.jobs.begin_attempts(pairs), "engine: counting attempts")
         for req, attempt in zip(batch, attempts):

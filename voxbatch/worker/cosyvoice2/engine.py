@@ -18,8 +18,11 @@ The flow is always conditioned on the voice (prompt tokens, prompt mel, speaker 
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import queue
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -33,11 +36,13 @@ from voxbatch.models import SynthesisParams
 from voxbatch.settings import Settings
 from voxbatch.voice import VoiceProfile
 from voxbatch.worker.cosyvoice2.flow import CausalFlow
+from voxbatch.worker.cosyvoice2.forced_lengths import forced_speech_tokens
 from voxbatch.worker.cosyvoice2.hift import HiFTGenerator
 from voxbatch.worker.cosyvoice2.hub import resolve_model_dir
 from voxbatch.worker.cosyvoice2.llm_backend import LlmBackend, LlmRequest
 from voxbatch.tokenizer import CosyVoice2Tokenizer
 from voxbatch.worker.engine import Engine, SynthesisRequest, SynthesisResult
+from voxbatch.worker.cosyvoice2.streaming import StreamingScheduler
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +142,34 @@ def time_scale(mel: torch.Tensor, speed: float) -> torch.Tensor:
     return F.interpolate(mel[None], size=frames, mode="linear")[0]
 
 
+def to_host(t: torch.Tensor) -> np.ndarray:
+    """Device -> host through pinned memory on the current stream: the copy waits only for this
+    stream's work (flow/HiFT), never for the LLM decoding on another."""
+    if t.device.type != "cuda":
+        return t.numpy()
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    torch.cuda.current_stream(t.device).synchronize()
+    return host.numpy()
+
+
+@contextlib.contextmanager
+def deterministic_cudnn() -> Iterator[None]:
+    """cuDNN limited to deterministic algorithms while HiFT runs, restored after.
+
+    HiFT's transposed convolutions run cuDNN backward-data kernels, some of which accumulate with
+    atomics: on an H200 the same mel and seed gave different audio run to run (the LLM and flow were
+    bit-stable). The flag is process-wide while set, so it is set only around the vocoder call, on
+    the thread that runs flow and HiFT (the LLM's attention and matmuls do not use cuDNN), never for
+    the whole process from a constructor."""
+    before = torch.backends.cudnn.deterministic
+    torch.backends.cudnn.deterministic = True
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.deterministic = before
+
+
 class CosyVoice2Engine(Engine):
     name = "cosyvoice2"
 
@@ -151,9 +184,11 @@ class CosyVoice2Engine(Engine):
         max_batch: int = 64,  # requests `synthesize` takes at once (the LLM decodes them together)
         flow_batch: int = 16,  # most rows in one flow + HiFT batch
         voice_cache_size: int = 32,
+        forced_lengths: bool = False,  # benchmark only (Settings.engine_forced_lengths)
     ):
         self.tokenizer, self.llm, self.flow, self.hift = tokenizer, llm, flow, hift
         self.max_batch, self.flow_batch = max_batch, flow_batch
+        self.forced_lengths = forced_lengths
         self.speech_token_size = speech_token_size
         self.sample_rate = hift.d.sampling_rate
         self.samples_per_token = flow.dims.token_mel_ratio * hift.d.samples_per_frame  # 960 at 24 kHz
@@ -211,17 +246,13 @@ class CosyVoice2Engine(Engine):
             llm = VllmLlmBackend.from_settings(settings or Settings(model_dir=str(model_dir), engine_max_batch=max_batch))
         else:
             raise ValueError(f"unknown llm_backend {llm_backend!r} (torch or vllm)")
-        if any(torch.device(d).type == "cuda" for d in (p.flow_device, p.hift_device)):
-            # HiFT's transposed convolutions run cuDNN backward-data kernels, some of which accumulate
-            # with atomics: on an H200 the same mel and seed gave different audio run to run (the LLM and
-            # flow were bit-stable). Deterministic algorithms make a re-rendered segment identical.
-            torch.backends.cudnn.deterministic = True
         flow = CausalFlow.from_model_dir(model_dir, device=p.flow_device, dtype=p.flow_dtype)
         if settings is not None and settings.flow_compile and torch.device(p.flow_device).type == "cuda":
             flow.decoder.compile_estimator()  # compiled by warmup(), before the first task
         hift = HiFTGenerator.from_model_dir(model_dir, device=p.hift_device, dtype=p.hift_dtype)
         log.info("cosyvoice2 engine: %s; llm=%s on %s, flow on %s, hift on %s", model_dir, llm.name, p.llm_device, p.flow_device, p.hift_device)
-        engine = cls(tokenizer, llm, flow, hift, load_voice, dims.speech_token_size, max_batch=max_batch, flow_batch=flow_batch)
+        engine = cls(tokenizer, llm, flow, hift, load_voice, dims.speech_token_size, max_batch=max_batch, flow_batch=flow_batch,
+                     forced_lengths=bool(settings is not None and settings.engine_forced_lengths))
         engine.model_dir = Path(model_dir)
         engine.placement = p
         return engine
@@ -235,7 +266,8 @@ class CosyVoice2Engine(Engine):
             digest = model_digest(self.model_dir) if self.model_dir is not None else f"unsaved-{id(self)}"
             p = self.placement
             dtypes = "/".join(str(d) for d in (p.llm_dtype, p.flow_dtype, p.hift_dtype)) if p else "?"
-            self._fingerprint = f"cosyvoice2/{digest}/{self.llm.name}/{dtypes}"
+            forced = "/forced-lengths" if self.forced_lengths else ""  # benchmark audio never mixes with real
+            self._fingerprint = f"cosyvoice2/{digest}/{self.llm.name}/{dtypes}{forced}"
         return self._fingerprint
 
     # -- voices ------------------------------------------------------------------------------------
@@ -291,20 +323,22 @@ class CosyVoice2Engine(Engine):
         else:
             raise ValueError(f"unknown mode {p.mode!r}")
         max_tokens = MAX_TOKENS_PER_TEXT_TOKEN * len(text)
+        if self.forced_lengths:
+            max_tokens = forced_speech_tokens(request.text)
         if p.max_tokens is not None:
             max_tokens = min(max_tokens, p.max_tokens)
         # The one place max_tokens meets the backend's capacity: `max_seq` is the torch backend's KV
         # cache length and the vllm backend's max_model_len; either rejects a request past it.
-        max_seq = getattr(self.llm, "max_seq", None)
+        max_seq = self.llm.max_seq
         prompt_len = len(prefix) + len(text) + len(prompt_speech) + 2  # sos + text + task_id + speech
-        if max_seq is not None and prompt_len + max_tokens > max_seq:
+        if prompt_len + max_tokens > max_seq:
             if prompt_len >= max_seq:
                 raise ValueError(f"prompt of {prompt_len} tokens does not fit the LLM's {max_seq} positions")
             max_tokens = max_seq - prompt_len
         return LlmRequest(
             text_tokens=list(prefix) + text,
             prompt_speech_tokens=list(prompt_speech),
-            min_tokens=min(MIN_TOKENS_PER_TEXT_TOKEN * len(text), max_tokens),
+            min_tokens=max_tokens if self.forced_lengths else min(MIN_TOKENS_PER_TEXT_TOKEN * len(text), max_tokens),
             max_tokens=max_tokens,
             seed=request.seed,
             top_p=p.top_p,
@@ -327,9 +361,18 @@ class CosyVoice2Engine(Engine):
         for result in self._run(items):
             if result.error:
                 raise RuntimeError(f"cosyvoice2 warm-up failed: {result.error}")
-        backend_warmup = getattr(self.llm, "warmup", None)
-        if backend_warmup is not None:
-            backend_warmup()
+        self.llm.warmup()
+
+    def serve(self, intake, emit, stop, observe=None, admit=None) -> None:
+        """The worker's loop: one streaming scheduler (streaming.py) over the LLM backend's continuous
+        batching and a flow/HiFT thread on its own CUDA stream; the Pipeline contract of `Engine.serve`."""
+        StreamingScheduler(self, intake, emit, stop, observe, admit).run()
+
+    def item(self, request: SynthesisRequest) -> _Item:
+        """A request made ready for the LLM (voice prepared, input composed); raises LookupError or
+        ValueError for a missing/bad voice or text, which fails that segment only."""
+        voice = self.voices.get(request.voice)
+        return _Item(request, voice, self.llm_request(request, voice))
 
     def synthesize(self, batch: list[SynthesisRequest]) -> Iterator[SynthesisResult]:
         items: list[_Item] = []
@@ -383,7 +426,8 @@ class CosyVoice2Engine(Engine):
         mel_lens = [m.shape[1] for m in mels]
         mel = _pad([m.transpose(0, 1) for m in mels], mel_lens).transpose(1, 2)  # (B, 80, T_mel)
         generators = [torch.Generator(device=hift_dev).manual_seed(s) for s in seeds]
-        wav, _ = self.hift.inference(mel, torch.tensor(mel_lens, device=hift_dev), generators)  # (B, T_wav)
-        wav = wav.float().cpu().numpy()
+        with deterministic_cudnn():
+            wav, _ = self.hift.inference(mel, torch.tensor(mel_lens, device=hift_dev), generators)  # (B, T_wav)
+        wav = to_host(wav.float())
         spf = self.hift.d.samples_per_frame
         return [np.ascontiguousarray(wav[i, : n * spf]) for i, n in enumerate(mel_lens)]
