@@ -144,6 +144,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=REPO / "bench/results/chaos.json")
     a = ap.parse_args()
     rng = random.Random(a.seed)
+    # The code under test is the checkout as the run starts (workers restarted later re-import it).
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
 
     workdir = Path(tempfile.mkdtemp(prefix="vb-chaos-"))
     (workdir / "redis").mkdir()
@@ -262,8 +264,7 @@ def main() -> None:
             "hardware": {"cores": os.cpu_count(), "load_average_at_end": [round(x, 2) for x in os.getloadavg()],
                          "python": platform.python_version()},
             "seed": a.seed,
-            "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
-                                     text=True).stdout.strip(),
+            "commit": commit,
             "command": "python -m bench.chaos " + " ".join(sys.argv[1:]),
         }
         a.out.parent.mkdir(parents=True, exist_ok=True)
