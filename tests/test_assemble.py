@@ -351,10 +351,10 @@ def test_fetch_job_mirrors_the_job_folder(storage, settings, tmp_path):
     asm.assemble_job(storage, spec, {}, SR, settings)
 
     out = tmp_path / "out"
-    n = asm.fetch_job(storage, spec.id, out)
+    n, skipped = asm.fetch_job(storage, spec.id, out)
 
     job_keys = storage.list(keys.job_prefix(spec.id))
-    assert n == len(job_keys) and n == sum(1 for p in out.rglob("*") if p.is_file())
+    assert skipped == [] and n == len(job_keys) and n == sum(1 for p in out.rglob("*") if p.is_file())
     for key in job_keys:
         assert (out / key.removeprefix(keys.job_prefix(spec.id))).read_bytes() == storage.get(key)
     assert (out / "manifest.json").is_file() and (out / "chapters" / "0000.wav").is_file()

@@ -334,6 +334,18 @@ def test_compiled_flow_engine_on_gpu(tiny_model_dir, tiny_facts, storage_dir):
         assert np.array_equal(got.audio, again[r.segment_id].audio)
 
 
+def test_deterministic_cudnn_is_scoped_to_the_vocoder_call(engine):
+    """The engine sets no process-wide cuDNN flag: determinism is switched on around HiFT only."""
+    from voxbatch.worker.cosyvoice2.engine import deterministic_cudnn
+
+    before = torch.backends.cudnn.deterministic
+    run(engine, [req(0, TEXTS[1], exact_bound(engine, TEXTS[1], 4))])
+    assert torch.backends.cudnn.deterministic == before
+    with deterministic_cudnn():
+        assert torch.backends.cudnn.deterministic
+    assert torch.backends.cudnn.deterministic == before
+
+
 def test_placement_dtypes_follow_settings():
     """GPU defaults: bf16 LLM, fp16 flow, fp32 HiFT; `llm_dtype=float32` keeps the LLM batch-invariant
     on a GPU; on a CPU everything is fp32 whatever is asked."""

@@ -180,14 +180,22 @@ def test_acx_on_the_tone_engine(book_md, tmp_path):
 
 
 def test_qc_exit_code_follows_the_rules(book_md, tmp_path):
-    # A 3 s lead before each chapter: more than ACX's 1 s of head room tone, which mastering never cuts.
-    _, manifest = render(book_md, tmp_path / "out", "--preset", "acx", env={"VOXBATCH_CHAPTER_LEAD_MS": "3000"},
-                         exit_code=1)  # render itself says the delivery is not within the preset
-    assert manifest.qc and not any(r.passed for r in manifest.qc)
-    assert all(r.checks == {**r.checks, "room_tone_head": False} for r in manifest.qc)
+    # A 3 s lead before each chapter is cut to ACX's head room tone (only silence is ever cut), but a
+    # 3 s cap on file length cannot be met by files whose one segment alone is longer: flagged, exit 1.
+    env = {"VOXBATCH_CHAPTER_LEAD_MS": "3000", "VOXBATCH_MASTER_MAX_FILE_S": "3"}
+    job_dir, manifest = render(book_md, tmp_path / "out", "--preset", "acx", env=env,
+                               exit_code=1)  # render itself says the delivery is not within the preset
+    assert manifest.qc and not all(r.passed for r in manifest.qc)
+    for r in manifest.qc:
+        assert r.checks["length"] is (r.levels.duration_s <= 3.0) and r.passed is r.checks["length"]
+        assert r.checks["room_tone_head"] and 0.5 <= levels(pcm(job_dir.parent.parent / r.key))["head"] <= 1.0
+        if r.part == 1:  # the chapter's first file opened with the 3 s lead
+            assert r.source_levels.head_s >= 3.0
+    first = next(s for s in manifest.segments if s.chapter == 1)
+    assert 0.5 <= first.start_s <= 1.0  # cues moved with the cut
     proc = cli("qc", manifest.job_id, "--out", str(tmp_path / "out"), check=False)
     assert proc.returncode == 1
-    assert "FAIL" in proc.stdout and "room_tone_head" in proc.stdout
+    assert "FAIL" in proc.stdout and "length (no file over 120 minutes" in proc.stdout
     missing = cli("qc", "nosuchjob", "--out", str(tmp_path / "out"), check=False)
     assert missing.returncode == 2 and "Traceback" not in missing.stderr
 

@@ -240,13 +240,17 @@ def test_logits_processor_tracks_batch_and_masks_eos(ref, tiny_facts):
 
 
 @pytest.fixture(scope="module")
-def backend(tiny_model_dir, tmp_path_factory):
-    if not (tiny_model_dir / "reference.npz").is_file():
-        pytest.skip(f"fixture not found at {tiny_model_dir}")
+def max_model_len(ref) -> int:
+    """Room for the fixture's LLM prompt plus the longest run here (400 tokens) and some."""
+    return ref["llm_lm_input"].shape[1] + 512
+
+
+@pytest.fixture(scope="module")
+def backend(tiny_model_dir, max_model_len, tmp_path_factory):
     _vllm_or_skip()
     from voxbatch.worker.cosyvoice2.vllm_backend import VllmLlmBackend, VllmOptions
 
-    b = VllmLlmBackend(tiny_model_dir, VllmOptions(max_model_len=512, max_num_seqs=8, export_cache_dir=str(tmp_path_factory.mktemp("vllm")), dtype="float32"))
+    b = VllmLlmBackend(tiny_model_dir, VllmOptions(max_model_len=max_model_len, max_num_seqs=8, export_cache_dir=str(tmp_path_factory.mktemp("vllm")), dtype="float32"))
     yield b
     b.close()
 
@@ -254,7 +258,7 @@ def backend(tiny_model_dir, tmp_path_factory):
 def _fixture_request(ref, min_len: int, **kw) -> LlmRequest:
     text = [int(t) for t in np.concatenate([ref["llm_prompt_text_token"], ref["llm_text_token"]])]
     speech = [int(t) for t in ref["llm_prompt_speech_token"]]
-    args = dict(min_tokens=min_len, max_tokens=40, seed=0, greedy=True) | kw
+    args = dict(min_tokens=min_len, max_tokens=len(ref["llm_greedy_tokens"]), seed=0, greedy=True) | kw
     return LlmRequest(text, speech, **args)
 
 
@@ -280,10 +284,10 @@ def test_greedy_tokens_equal_official(backend, ref, min_len):
     assert result.tokens == ref["llm_greedy_tokens"].tolist()
 
 
-def test_greedy_tokens_equal_torch_backend(tiny_model_dir, backend, ref):
+def test_greedy_tokens_equal_torch_backend(tiny_model_dir, backend, ref, max_model_len):
     from voxbatch.worker.cosyvoice2.torch_backend import TorchLlmBackend
 
-    torch_backend = TorchLlmBackend.from_model_dir(tiny_model_dir, max_batch=8, max_seq=512)
+    torch_backend = TorchLlmBackend.from_model_dir(tiny_model_dir, max_batch=8, max_seq=max_model_len)
     reqs = _mixed_requests(ref, greedy=True)
     by_torch = {r.index: r.tokens for r in torch_backend.generate(reqs)}
     by_vllm = {r.index: r.tokens for r in backend.generate(reqs)}
@@ -329,10 +333,10 @@ def test_abandoned_generator_frees_the_engine(backend, ref, min_len):
     assert again.tokens == ref["llm_greedy_tokens"].tolist()
 
 
-def test_request_validation(backend, ref, min_len, tiny_facts):
+def test_request_validation(backend, ref, min_len, tiny_facts, max_model_len):
     eos = tiny_facts.eos_id
     with pytest.raises(ValueError, match="max_model_len"):
-        list(backend.generate([_fixture_request(ref, min_len, max_tokens=1000)]))
+        list(backend.generate([_fixture_request(ref, min_len, max_tokens=max_model_len)]))
     with pytest.raises(ValueError, match="prompt speech token"):
         list(backend.generate([LlmRequest([1, 2], [eos], min_tokens=0, max_tokens=5, seed=0)]))
     # Rejected inside the engine (the RAS processor validates its settings): that call fails, the

@@ -3,10 +3,18 @@
 Options default to None and fall back to Settings (environment), so no default is restated here.
 Heavy imports (torch, the engine) happen inside the commands that need them: the producer commands
 run on machines without torch.
+
+Errors: every command runs under `main`, which turns any exception into one escaped line on stderr
+(`explain` maps bad input, Redis, S3 and broker failures to a sentence naming the file, name or
+service) and an exit code: 0 only when everything asked for was done, 1 when a job finished with
+failed segments (or a fetch skipped files, or a cancel found the job already finished), 2 for bad
+input or an unreachable service, 130 for Ctrl-C. A new command gets all of this for free. Anything a
+user typed or a corpus held is escaped before rich prints it (`[/bold]` in a job name is text).
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -26,23 +34,118 @@ console = Console()
 err = Console(stderr=True)
 
 
-def _fail(message: str) -> None:
-    """One line on stderr (newlines folded, never wrapped, brackets shown as written), exit code 2."""
-    err.print(f"[red]error:[/red] {escape(' '.join(message.split()))}", soft_wrap=True)
-    raise typer.Exit(2)
+EXIT_OK, EXIT_FAILURES, EXIT_BAD, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
-# Bad input (corpus, settings, model directory: `ModelDirError` is a ValueError) or a missing file:
-# one line, no traceback.
-INPUT_ERRORS = (ValueError, OSError)
+def _line(message: str) -> str:
+    """One line (newlines folded), escaped for rich."""
+    return escape(" ".join(str(message).split()))
+
+
+def _fail(message: str, code: int = EXIT_BAD) -> None:
+    """One line on stderr (newlines folded, never wrapped, brackets shown as written), then exit."""
+    err.print(f"[red]error:[/red] {_line(message)}", soft_wrap=True)
+    raise typer.Exit(code)
+
+
+def _warn(message: str) -> None:
+    err.print(f"[yellow]warning:[/yellow] {_line(message)}", soft_wrap=True)
+
+
+def _validation(e) -> str:
+    """A pydantic ValidationError as `field: problem; ...`, without the input values (a broker URL may
+    hold a password)."""
+    return "; ".join(f"{'.'.join(str(p) for p in d['loc']) or 'value'}: {d['msg']}" for d in e.errors())
+
+
+def explain(e: BaseException) -> tuple[int, str]:
+    """(exit code, one-line message) for an exception that reached the top of a command."""
+    import redis
+    from pydantic import ValidationError
+
+    from voxbatch.storage import StorageError
+
+    if isinstance(e, ValidationError):
+        return EXIT_BAD, f"bad {e.title}: {_validation(e)}"
+    if isinstance(e, redis.AuthenticationError) or (
+            isinstance(e, redis.ResponseError) and str(e).startswith(("NOAUTH", "WRONGPASS"))):
+        return EXIT_BAD, f"Redis refused the credentials in VOXBATCH_BROKER_URL ({e})"
+    if isinstance(e, (redis.ConnectionError, redis.TimeoutError)):
+        return EXIT_BAD, f"cannot reach Redis (VOXBATCH_BROKER_URL): {e}"
+    if isinstance(e, redis.RedisError):
+        return EXIT_BAD, f"Redis error: {e}"
+    s3 = _explain_s3(e)
+    if s3 is not None:
+        return EXIT_BAD, s3
+    if type(e).__module__.startswith(("kombu", "celery", "amqp")):
+        return EXIT_BAD, f"cannot use the broker (VOXBATCH_BROKER_URL): {type(e).__name__}: {e}"
+    if isinstance(e, (ValueError, StorageError)):  # CorpusError, SubmitError, BadName, ModelDirError...
+        return EXIT_BAD, str(e)
+    if isinstance(e, LookupError):  # VoiceNotFoundError, JobNotFound
+        return EXIT_BAD, str(e.args[0]) if e.args else type(e).__name__
+    if isinstance(e, OSError):
+        where = f"{e.filename}: " if e.filename else ""
+        return EXIT_BAD, f"{where}{e.strerror or e}"
+    return EXIT_BAD, f"unexpected {type(e).__name__}: {e} (a bug; VOXBATCH_DEBUG=1 shows the traceback)"
+
+
+def _explain_s3(e: BaseException) -> str | None:
+    try:
+        from botocore import exceptions as bx
+    except ImportError:
+        return None
+    if isinstance(e, bx.NoCredentialsError):
+        return "no S3 credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"
+    if isinstance(e, (bx.EndpointConnectionError, bx.ConnectTimeoutError, bx.ReadTimeoutError)):
+        return f"cannot reach S3 (VOXBATCH_S3_ENDPOINT): {e}"
+    if isinstance(e, bx.ClientError):
+        error = e.response.get("Error", {})
+        code, bucket = error.get("Code", "?"), error.get("BucketName", "")
+        if code == "NoSuchBucket":
+            return f"S3 bucket {bucket!r} does not exist (VOXBATCH_STORAGE_URL)"
+        if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403", "Forbidden"):
+            return f"S3 refused the credentials ({code}): check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY"
+        return f"S3 error {code}: {error.get('Message', e)}"
+    if isinstance(e, bx.BotoCoreError):
+        return f"S3: {e}"
+    return None
+
+
+def main() -> None:
+    """The console script: run the command, turning any error into one line and a true exit code."""
+    import click
+
+    try:
+        code = app(standalone_mode=False)
+    except click.ClickException as e:  # usage errors: click's own message, exit 2
+        e.show()
+        sys.exit(e.exit_code)
+    except (click.Abort, KeyboardInterrupt):
+        err.print("interrupted")
+        sys.exit(EXIT_INTERRUPTED)
+    except Exception as e:  # noqa: BLE001 - the one place errors become messages (see module doc)
+        code, message = explain(e)
+        err.print(f"[red]error:[/red] {_line(message)}", soft_wrap=True)
+        if _debug():
+            err.print_exception()
+        sys.exit(code)
+    sys.exit(code if isinstance(code, int) else EXIT_OK)
+
+
+def _debug() -> bool:
+    try:
+        return load_settings().debug
+    except Exception:  # noqa: BLE001 - settings that do not load cannot ask for a traceback
+        return False
 
 
 def _settings(**overrides) -> Settings:
-    try:
-        return load_settings(**overrides)
-    except Exception as e:  # noqa: BLE001 - show pydantic's field error, never a traceback with values
-        _fail(f"bad settings: {e}")
-        raise
+    return load_settings(**overrides)
+
+
+# Bad input (corpus, settings, model directory: `ModelDirError` is a ValueError) or a missing file: a
+# command that wants its own wording for them catches these; anything else reaches `main`.
+INPUT_ERRORS = (ValueError, OSError)
 
 
 # Options shared by `submit` and `render` (multi-voice scripts, lexicons, reuse of stored audio).
@@ -54,11 +157,7 @@ NO_REUSE_HELP = "render every segment, even those whose audio is already stored 
 def _script_options(cast: Optional[str], lexicon: Optional[Path], no_reuse: bool) -> dict:
     from voxbatch.producer.cast import parse_cast
 
-    try:
-        return {"cast": parse_cast(cast), "lexicon": lexicon, "reuse": not no_reuse}
-    except INPUT_ERRORS as e:
-        _fail(str(e))
-        raise
+    return {"cast": parse_cast(cast), "lexicon": lexicon, "reuse": not no_reuse}
 
 
 def _jobs(settings: Settings):
@@ -102,57 +201,88 @@ def submit(path: Path, voice: str = typer.Option(..., help="voice profile name (
     settings = _settings(output_format=format, model_dir=str(model_dir) if model_dir else None, preset=preset,
                          epub_all_spine=epub_all_spine)
     options = _script_options(cast, lexicon, no_reuse)
-    try:
+    with _stage_bar() as progress:
         spec = plan_job(path, voice, settings, name=name, params=SynthesisParams(max_tokens=max_tokens),
-                        title=title, author=author, **options)
-        job_id = submit_job(spec, settings, open_storage(settings), queue)
-    except INPUT_ERRORS as e:
-        _fail(str(e))
-    console.print(job_id, highlight=False)
+                        title=title, author=author, progress=progress, **options)
+        job_id = submit_job(spec, settings, open_storage(settings), queue, progress=progress)
+    console.print(job_id, highlight=False, markup=False)
     if watch:
         from voxbatch.producer.control import watch as watch_job
 
-        watch_job(_jobs(settings), job_id, err)
+        raise typer.Exit(_job_exit(watch_job(_jobs(settings), job_id, err, settings)))
+
+
+class _stage_bar:
+    """A transient bar on stderr for the stages of a long submit ("segment" chapters, "enqueue"
+    segments); a small corpus is done before the bar draws."""
+
+    def __enter__(self):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                            TimeRemainingColumn(), console=err, transient=True, disable=not err.is_terminal)
+        self.bar.start()
+        self.tasks: dict[str, int] = {}
+        return self.update
+
+    def update(self, stage: str, done: int, total: int) -> None:
+        if self.bar.disable:
+            return
+        if stage not in self.tasks:
+            self.tasks[stage] = self.bar.add_task(stage, total=total)
+        self.bar.update(self.tasks[stage], completed=done, total=total)
+
+    def __exit__(self, *exc) -> None:
+        self.bar.stop()
+
+
+def _job_exit(status) -> int:
+    """Exit code for a job that was followed to its end: 0 completed, 1 anything less."""
+    return EXIT_OK if status.state == "completed" else EXIT_FAILURES
 
 
 @app.command()
 def status(job: str, watch: bool = typer.Option(False, help="progress bar until the job finishes")):
     """Progress of a job: segments, audio seconds, failures."""
-    from voxbatch.producer.control import JobNotFound, get_status, status_table
+    from voxbatch.producer.control import get_status, status_table
     from voxbatch.producer.control import watch as watch_job
 
+    from voxbatch.keys import check_name
     from voxbatch.storage import open_storage
 
+    check_name("job id", job)
     settings = _settings()
     jobs = _jobs(settings)
-    try:
-        s = watch_job(jobs, job, console) if watch else get_status(jobs, job, open_storage(settings))
-    except JobNotFound as e:
-        _fail(str(e.args[0]))
-    console.print(status_table(s))
+    s = watch_job(jobs, job, console, settings) if watch else get_status(jobs, job, open_storage(settings))
+    console.print(status_table(s, jobs))
+    if watch:
+        raise typer.Exit(_job_exit(s))
 
 
 @app.command()
 def cancel(job: str):
     """Stop a job: queued segments are skipped, stored ones are kept."""
-    if _jobs(_settings()).cancel(job) < 0:
-        _fail(f"no job {job!r}")
-    console.print(f"cancelled {job}")
+    from voxbatch.keys import check_name
+
+    jobs = _jobs(_settings())
+    outcome = jobs.cancel(check_name("job id", job))
+    if outcome < 0:
+        _fail(f"no job {job!r} in Redis")
+    if outcome == 0:
+        _fail(f"job {job!r} already finished ({jobs.state(job)}): nothing to cancel", EXIT_FAILURES)
+    console.print(f"cancelled {escape(job)}")
 
 
 @app.command()
 def retry(job: str, queue: Optional[str] = typer.Option(None, help="render queue")):
     """Re-enqueue only the failed or missing segments of a job (rebuilt from storage if Redis lost it)."""
-    from voxbatch.producer.control import JobNotFound, retry_job
-    from voxbatch.producer.submit import SubmitError
+    from voxbatch.keys import check_name
+    from voxbatch.producer.control import retry_job
     from voxbatch.storage import open_storage
 
     settings = _settings()
-    try:
-        n = retry_job(_jobs(settings), open_storage(settings), settings, job, queue)
-    except (JobNotFound, SubmitError) as e:
-        _fail(str(e.args[0]))
-    console.print(f"re-enqueued {n} segment(s) of {job}")
+    n = retry_job(_jobs(settings), open_storage(settings), settings, check_name("job id", job), queue)
+    console.print(f"re-enqueued {n} segment(s) of {escape(job)}")
 
 
 @app.command()
@@ -161,10 +291,19 @@ def fetch(job: str, out: Path = typer.Option(..., help="folder to download the j
     from voxbatch.producer.assemble import fetch_job
     from voxbatch.storage import open_storage
 
-    n = fetch_job(open_storage(_settings()), job, out)
-    if n == 0:
-        _fail(f"job {job!r}: nothing stored")
-    console.print(f"fetched {n} file(s) into {out}")
+    from voxbatch.keys import check_name
+
+    storage = open_storage(_settings())
+    storage.check()
+    n, skipped = fetch_job(storage, check_name("job id", job), out)
+    for problem in skipped:
+        _warn(problem)
+    if n == 0 and not skipped:
+        _fail(f"job {job!r}: nothing stored at {storage.describe(f'jobs/{job}/')}")
+    console.print(f"fetched {n} file(s) into {escape(str(out))}" + (f", skipped {len(skipped)}" if skipped else ""),
+                  soft_wrap=True)
+    if skipped:
+        raise typer.Exit(EXIT_FAILURES)
 
 
 @app.command("jobs")
@@ -172,7 +311,8 @@ def list_jobs(limit: int = typer.Option(50, help="most jobs to list")):
     """List jobs, newest first."""
     from voxbatch.producer.control import jobs_table
 
-    console.print(jobs_table(_jobs(_settings()), limit))
+    settings = _settings()
+    console.print(jobs_table(_jobs(settings), limit, settings), crop=False)  # ids stay whole past the width
 
 
 @app.command()
@@ -213,7 +353,8 @@ def assembler(concurrency: int = typer.Option(2, help="assemble tasks at once"))
 
 
 @app.command()
-def render(path: Path, out: Path = typer.Option(..., help="output folder"),
+def render(path: Optional[Path] = typer.Argument(None, help="corpus (.txt, .md, .epub or a folder)"),
+           out: Path = typer.Option(..., help="output folder"),
            voice: str = typer.Option("tone", help="voice profile name (stored under OUT/voices/)"),
            engine: Optional[str] = typer.Option(None, help="tone|cosyvoice2"),
            llm_backend: Optional[str] = typer.Option(None, help="torch|vllm"),
@@ -228,25 +369,61 @@ def render(path: Path, out: Path = typer.Option(..., help="output folder"),
            max_tokens: Optional[int] = typer.Option(None, help="cap on speech tokens per segment"),
            cast: Optional[str] = typer.Option(None, help=CAST_HELP),
            lexicon: Optional[Path] = typer.Option(None, help=LEXICON_HELP),
-           no_reuse: bool = typer.Option(False, "--no-reuse", help=NO_REUSE_HELP)):
-    """Render a corpus in this process into a local folder (no Redis, no S3): the embedded default."""
-    from voxbatch.models import SynthesisParams
-    from voxbatch.embedded import render_local
+           no_reuse: bool = typer.Option(False, "--no-reuse", help=NO_REUSE_HELP),
+           resume: Optional[str] = typer.Option(
+               None, help="job id in OUT to continue as it was planned (the same command resumes by itself)")):
+    """Render a corpus in this process into a local folder (no Redis, no S3): the embedded default.
 
+    Ctrl-C keeps what is rendered; running the same command again renders only what is missing."""
+    import os
+
+    from rich.progress import Progress
+
+    from voxbatch.models import SynthesisParams
+    from voxbatch.producer.control import JobBar, progress_columns
+    from voxbatch.embedded import RenderInterrupted, render_local
+
+    if path is None and resume is None:
+        _fail("render needs a corpus PATH (or --resume JOB)")
     settings = _settings(engine=engine, llm_backend=llm_backend, model_dir=str(model_dir) if model_dir else None,
                          output_format=format, storage_url=out.resolve().as_uri(), preset=preset,
                          epub_all_spine=epub_all_spine)
     options = _script_options(cast, lexicon, no_reuse)
-    try:
-        manifest = render_local(path, out, voice, settings, params=SynthesisParams(max_tokens=max_tokens),
-                                title=title, author=author, **options)
-    except INPUT_ERRORS as e:
-        _fail(str(e))
+
+    def started(spec, already: int) -> None:
+        what = (f"resuming job {spec.id}: {already} of {len(spec.segments)} segments already rendered"
+                if already else f"job {spec.id}: {len(spec.segments)} segments")
+        err.print(escape(what), highlight=False, soft_wrap=True)
+
+    with Progress(*progress_columns(), console=err) as progress:
+        bar: list[JobBar] = []
+
+        def show(status) -> None:
+            if not bar:
+                bar.append(JobBar(progress, status))
+            bar[0].update(status)
+
+        try:
+            manifest = render_local(path, out, voice, settings, params=SynthesisParams(max_tokens=max_tokens),
+                                    title=title, author=author, resume=resume, on_start=started, on_progress=show,
+                                    **options)
+        except RenderInterrupted as e:
+            progress.stop()
+            err.print(f"interrupted: {e.done} of {e.total} segments of job {e.job_id} are stored; run the same "
+                      f"command again (or add --resume {e.job_id}) to render the rest", soft_wrap=True)
+            err.file.flush()
+            sys.stdout.flush()
+            os._exit(EXIT_INTERRUPTED)  # render threads may still be inside the engine: do not wait for them
     total = sum(c.duration_s for c in manifest.chapters) + sum(i.duration_s for i in manifest.items)
     console.print(f"job {manifest.job_id}: {len(manifest.segments)} segments ({manifest.reused} reused, "
                   f"{len(manifest.segments) - manifest.reused} rendered), {total:.1f} s of audio, "
-                  f"state {manifest.state} -> {escape(str(out / 'jobs' / manifest.job_id))}", highlight=False, soft_wrap=True)
+                  f"state {manifest.state} -> {escape(str(out / 'jobs' / manifest.job_id))}", highlight=False,
+                  soft_wrap=True)
+    for seg, error in list(manifest.failed.items())[:5]:
+        _warn(f"segment {seg} failed: {error}")
     _exit_on_qc_failures(manifest)
+    if manifest.state != "completed":
+        raise typer.Exit(EXIT_FAILURES)
 
 
 def _exit_on_qc_failures(manifest) -> None:
@@ -265,9 +442,11 @@ def qc(job: str, out: Optional[Path] = typer.Option(
     from voxbatch.producer.qc import failure_lines, load_manifest, qc_table
     from voxbatch.storage import open_storage
 
+    from voxbatch.keys import check_name
+
     settings = _settings(storage_url=out.resolve().as_uri() if out else None)
     try:
-        manifest = load_manifest(open_storage(settings), job)
+        manifest = load_manifest(open_storage(settings), check_name("job id", job))
     except KeyError:
         _fail(f"job {job!r}: no manifest in {settings.storage_url} (not assembled yet, or another storage)")
     except INPUT_ERRORS as e:
@@ -293,15 +472,16 @@ def voice_add(name: str, wav: Path = typer.Option(..., help="prompt audio (≤ 3
     from voxbatch.storage import open_storage
     from voxbatch.voice import save_voice
 
+    from voxbatch.keys import check_name
+
+    check_name("voice name", name)
     settings = _settings(model_dir=str(model_dir) if model_dir else None)
     if not settings.model_dir:
         _fail("voice add needs the model directory: --model-dir or VOXBATCH_MODEL_DIR")
-    try:
-        profile = create_voice(settings.model_dir, name, wav, text)
-    except INPUT_ERRORS as e:
-        _fail(str(e))
-    save_voice(open_storage(settings), profile)
-    console.print(f"stored voice {name!r}")
+    storage = open_storage(settings)
+    profile = create_voice(settings.model_dir, name, wav, text, max_positions=settings.vllm_max_model_len)
+    save_voice(storage, profile)
+    console.print(f"stored voice {escape(repr(name))}")
 
 
 @model_app.command("make-tiny")
@@ -318,4 +498,4 @@ def model_make_tiny(out: Path, seed: int = typer.Option(0, help="seed of the ran
 
 
 if __name__ == "__main__":
-    app()
+    main()

@@ -13,6 +13,12 @@ Redis key layout (all keys of a job share the `{<job>}` hash tag, so a job lives
                                        given back unstarted (graceful shutdown, refused poison) is un-counted
     vb:job:{<job>}:errors       hash   segment id -> last error seen (kept while retrying)
     vb:job:{<job>}:reused       set    ids of segments whose audio came from the content cache (reuse.py)
+    vb:workers                  hash   worker name -> JSON {"beat": unix s, "took": unix s or 0, "queues"}:
+                                       each render worker rewrites its field every `worker_heartbeat_s`;
+                                       a field older than 3 beats is a dead worker (`status`, `jobs`
+                                       say so when no worker is alive or none has taken work for a while)
+
+A job hash may also hold `reason`: why a job ended `failed` (e.g. the assembler could not read it).
 
 Every step that touches several keys is one Lua script, so two workers finishing the last two
 segments at the same moment cannot both (or neither) enqueue the assembly: `finish` returns 1 to
@@ -24,6 +30,7 @@ tests (tests/test_jobstate_contract.py) run the same cases against both, so the 
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -245,6 +252,16 @@ class RedisJobStore(JobStore):
     def cancel(self, job_id: str) -> int:
         return int(self._cancel(keys=[self._k(job_id), "vb:load"], args=[time.time()]))
 
+    def discard(self, job_id: str) -> None:
+        """Remove a job that never got going (a submit that failed half-way): its outstanding segments
+        leave the load counter, then every key of the job goes; tasks already queued find no job and skip."""
+        self.cancel(job_id)
+        parts = ("", "done", "failed", "attempts", "errors", "reused")
+        with self.r.pipeline(transaction=True) as p:
+            p.delete(*(self._k(job_id, part) for part in parts))
+            p.zrem("vb:jobs", job_id)
+            p.execute()
+
     def reopen(self, job_id: str, seg_ids: list[str]) -> int:
         keys = [self._k(job_id, p) for p in ("", "done", "failed", "attempts", "errors")] + ["vb:load"]
         return int(self._reopen(keys=keys, args=[time.time(), *seg_ids]))
@@ -274,7 +291,34 @@ class RedisJobStore(JobStore):
             failed=int(h["failed"]), audio_s=int(h["audio_ms"]) / 1000, created_at=float(h["created_at"]),
             updated_at=float(h["updated_at"]), errors=errors, reused=int(self.r.scard(self._k(job_id, "reused"))),
             swept=int(h.get("swept", 0)),
+            reason=h.get("reason"),
         )
+
+    def worker_beat(self, name: str, took: float, queues: str) -> None:
+        """A render worker is alive; `took` is when its engine last took segments (0: never)."""
+        self.r.hset("vb:workers", name, json.dumps({"beat": time.time(), "took": took, "queues": queues}))
+
+    def workers(self, beat_s: float) -> dict[str, dict]:
+        """Live workers (heartbeat within 3 beats) -> their last beat; dead fields are pruned."""
+        now, live, dead = time.time(), {}, []
+        for name, raw in self.r.hgetall("vb:workers").items():
+            try:
+                beat = json.loads(raw)
+                alive = now - float(beat["beat"]) <= 3 * beat_s
+            except (ValueError, KeyError, TypeError):
+                alive = False
+            (live.__setitem__(name, beat) if alive else dead.append(name))
+        if dead:
+            self.r.hdel("vb:workers", *dead)
+        return live
+
+    def last_errors(self, job_id: str) -> dict[str, str]:
+        """Segment id -> the last error of a segment still being retried (or failed)."""
+        return dict(self.r.hgetall(self._k(job_id, "errors")))
+
+    def set_reason(self, job_id: str, reason: str) -> None:
+        """Why a job failed, for `voxbatch status` (the assembler's error, not only its log)."""
+        self.r.hset(self._k(job_id), "reason", reason[:2000])
 
     def job_ids(self, limit: int = 50) -> list[str]:
         return list(self.r.zrevrange("vb:jobs", 0, limit - 1))

@@ -12,17 +12,31 @@ import re
 
 from voxbatch.models import JOB_ID_PATTERN, parse_segment_id, segment_id
 
-_JOB_ID = re.compile(JOB_ID_PATTERN)
+# Names that become one storage key component (voice names, job ids): no '/', no '..', no markup,
+# nothing a shell or a URL would mangle. Checked here, where keys are made, so no caller can forget.
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+JOB_ID_RE = re.compile(JOB_ID_PATTERN)  # also a Redis key part: no dots
+
+
+class BadName(ValueError):
+    """A voice name or job id that cannot be a storage key component; the message names it."""
+
+
+def check_name(kind: str, name: str) -> str:
+    """`name` if it is a valid `kind` ("voice", "job id"), else BadName saying what is allowed."""
+    job = kind == "job id"
+    if not isinstance(name, str) or not (JOB_ID_RE if job else NAME_RE).fullmatch(name) or ".." in name:
+        allowed = "letters, digits, '_' or '-'" if job else "letters, digits, '_', '-' or '.'"
+        raise BadName(f"{kind} {str(name)[:80]!r}: use 1-64 {allowed}, starting with a letter or digit")
+    return name
 
 
 def _job(job_id: str) -> str:
-    if not _JOB_ID.match(job_id):
-        raise ValueError(f"not a job id: {job_id[:80]!r}")
-    return job_id
+    return check_name("job id", job_id)
 
 
 def voice(name: str) -> str:
-    return f"voices/{name}.safetensors"
+    return f"voices/{check_name('voice name', name)}.safetensors"
 
 
 def job_spec(job_id: str) -> str:

@@ -221,6 +221,7 @@ class QcRow(Frozen):
     kbps: int | None  # constant bit rate of mp3 / m4a files
     levels: QcLevels  # the delivered file
     source_levels: QcLevels | None = None  # the chapter as assembled, before mastering
+    gain_db: float | None = None  # gain mastering applied before the limiter
     checks: dict[str, bool]  # rule name -> passed
     passed: bool
 
@@ -267,6 +268,7 @@ class JobStatus(Frozen):
     created_at: float
     updated_at: float
     errors: dict[str, str] = {}
+    reason: str | None = None  # why the job failed, when the job itself (not a segment) did
     # Segments the sweeper found neither done, failed, queued nor in flight, and re-enqueued.
     swept: int = 0
     reused: int = 0  # segments taken from the content-addressed cache instead of rendered

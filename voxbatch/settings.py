@@ -132,6 +132,25 @@ class Settings(BaseSettings):
     # Prometheus metrics port of a worker (0 = off); per-GPU workers use port + gpu index.
     metrics_port: int = Field(0, ge=0, le=65535)
 
+    # Limits on untrusted input; each refusal is one line naming the file or job and the limit.
+    # Corpus bytes on disk (one file, or a folder's files together): 32 MiB is ~25 long novels.
+    max_corpus_bytes: int = Field(32 * 2**20, ge=1)
+    # An EPUB's members inflated, all together (read from the zip directory before inflating).
+    max_epub_uncompressed_bytes: int = Field(256 * 2**20, ge=1)
+    # Inflated / compressed bytes of one EPUB member over 1 MiB: XHTML deflates 3-10x, a zip bomb ~1000x.
+    max_epub_ratio: float = Field(100.0, gt=1.0)
+    # Segments in one job (a 32 MiB corpus makes ~200k of ~160 characters).
+    max_segments_per_job: int = Field(250_000, ge=1)
+    # Bytes of a stored job spec (jobs/<id>/job.json): the whole segmented text plus ~60 bytes a segment.
+    max_job_spec_bytes: int = Field(96 * 2**20, ge=1)
+    # A job no worker has touched for this long gets a hint in `status --watch` and `jobs`; workers
+    # refresh a heartbeat in Redis this often (it expires after 3 beats).
+    worker_heartbeat_s: float = Field(10.0, gt=0)
+    stalled_after_s: float = Field(60.0, gt=0)
+
+    # Show the traceback of an unexpected error (a bug) after its one-line message.
+    debug: bool = False
+
     @field_validator("storage_url")
     @classmethod
     def _storage_scheme(cls, v: str) -> str:

@@ -73,6 +73,9 @@ class Storage(ABC):
         """Where a key lives, for messages (never includes credentials)."""
         return f"{self.url.rstrip('/')}/{key}"
 
+    def check(self) -> None:
+        """Raise if the storage cannot be used at all (before a producer writes anything to it)."""
+
 
 class LocalStorage(Storage):
     def __init__(self, root: str | Path):
@@ -194,6 +197,17 @@ class S3Storage(Storage):
 
     def _key(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix else key
+
+    def check(self) -> None:
+        """The bucket exists and the credentials may use it (some stores create a bucket on the first
+        PUT, so a mistyped bucket would otherwise fill a new one)."""
+        try:
+            self.client.head_bucket(Bucket=self.bucket)
+        except self._client_error as e:
+            if e.response.get("Error", {}).get("Code") in ("404", "NoSuchBucket", "NotFound"):
+                raise StorageError(f"S3 bucket {self.bucket!r} does not exist (VOXBATCH_STORAGE_URL "
+                                   f"{self.url})") from None
+            raise
 
     def put(self, key: str, data: bytes, content_type: str = "application/octet-stream") -> None:
         self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data, ContentType=content_type)

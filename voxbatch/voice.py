@@ -11,7 +11,6 @@ Stored at `keys.voice(name)` = `voices/<name>.safetensors`.
 from __future__ import annotations
 
 import json
-import re
 import struct
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -24,7 +23,7 @@ from voxbatch.storage import Storage
 FORMAT = "voxbatch.voice/1"  # bump when the stored fields change meaning
 SPEAKER_EMBEDDING_DIM = 192  # CAM++
 N_MELS = 80
-NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # also a storage key component
+NAME_RE = keys.NAME_RE  # what a voice name may be (the rule lives with the storage keys it becomes)
 
 
 class VoiceNotFoundError(LookupError):
@@ -51,10 +50,10 @@ class VoiceProfile:
     source: str = ""  # the prompt audio file it was made from (its name only, for people)
 
     def __post_init__(self) -> None:
-        if not NAME_RE.fullmatch(self.name):
-            raise VoiceFormatError(
-                f"voice name {self.name!r}: use 1-64 letters, digits, '_', '-' or '.', starting with a letter or digit"
-            )
+        try:
+            keys.check_name("voice name", self.name)  # also a storage key component
+        except keys.BadName as e:
+            raise VoiceFormatError(str(e)) from None
         object.__setattr__(self, "prompt_speech_tokens", np.ascontiguousarray(self.prompt_speech_tokens, np.int32))
         object.__setattr__(self, "speaker_embedding", np.ascontiguousarray(self.speaker_embedding, np.float32))
         object.__setattr__(self, "prompt_mel", np.ascontiguousarray(self.prompt_mel, np.float32))

@@ -31,6 +31,7 @@ file for ffmpeg (the mastered audio when a preset is set, at 44.1 kHz mono).
 
 from __future__ import annotations
 
+import re
 import logging
 import tempfile
 import threading
@@ -277,13 +278,14 @@ def _cues(f: _File) -> list[Cue]:
 
 def _file_cues(placed: list[_Placed], sample_rate: int, first: int = 0, shift_ms: int = 0) -> list[_FileCue]:
     """Cues of segments placed from sample `first` of the chapter on, in a file that starts there and
-    has `shift_ms` of room tone put in front."""
-    return [
-        _FileCue(p, samples_to_ms(p.start - first, sample_rate) + shift_ms,
-                 samples_to_ms(p.start - first + p.length, sample_rate) + shift_ms,
-                 (p.start - first) / sample_rate + shift_ms / 1000, p.length / sample_rate)
-        for p in placed
-    ]
+    has `shift_ms` of room tone put in front (< 0: cut from its silent head)."""
+    cues = []
+    for p in placed:
+        start_ms = max(0, samples_to_ms(p.start - first, sample_rate) + shift_ms)  # a cut head: never < 0
+        end_ms = max(start_ms, samples_to_ms(p.start - first + p.length, sample_rate) + shift_ms)
+        start_s = max(0.0, (p.start - first) / sample_rate + shift_ms / 1000)
+        cues.append(_FileCue(p, start_ms, end_ms, start_s, p.length / sample_rate))
+    return cues
 
 
 @dataclass
@@ -338,8 +340,8 @@ def _split_points(chapter: _AssembledChapter, sample_rate: int, max_s: float, pa
     return starts
 
 
-def _master_file(audio: np.ndarray, sr: int, d: _Delivery, out_path: Path, seed: int,
-                 tags: Tags) -> tuple[Mastered, QcLevels, dict[str, bool]]:
+def _master_file(audio: np.ndarray, sr: int, d: _Delivery, out_path: Path, seed: int, tags: Tags,
+                 max_file_s: float) -> tuple[Mastered, QcLevels, dict[str, bool]]:
     """Master, encode, tag and measure one file; lower the ceiling and redo when encoding pushed peaks over."""
     preset = d.preset
     offset = 0.0
@@ -350,7 +352,7 @@ def _master_file(audio: np.ndarray, sr: int, d: _Delivery, out_path: Path, seed:
         decoded, got_sr = decode(out_path.read_bytes(), out_path.name)
         levels = qc.measure(decoded, got_sr)
         facts = {"format": preset.fmt, "kbps": preset.kbps, "sample_rate": got_sr,
-                 "channels": 1 if decoded.ndim == 1 else decoded.shape[1]}
+                 "channels": 1 if decoded.ndim == 1 else decoded.shape[1], "max_file_s": max_file_s}
         checks = qc.check(preset.name, levels, facts)
         over = max(levels.peak_dbfs - qc.PEAK_LIMIT_DB.get(preset.name, 0.0),
                    levels.true_peak_dbtp - qc.TRUE_PEAK_LIMIT_DB.get(preset.name, 0.0))
@@ -379,7 +381,8 @@ def _deliver_mastered(storage: Storage, d: _Delivery, chapter: _AssembledChapter
         piece = np.asarray(audio[lo:hi])
         file_title = title if part is None else f"{title} ({part}/{len(bounds)})"
         mastered, levels, checks = _master_file(piece, sr, d, out_path, seed=chapter.index * 1000 + k,
-                                                tags=d.tags(file_title, chapter.index + 1))
+                                                tags=d.tags(file_title, chapter.index + 1),
+                                                max_file_s=settings.master_max_file_s)
         if d.book is not None:
             d.book.write(mastered.audio)
         source = qc.measure(piece, sr)
@@ -388,8 +391,8 @@ def _deliver_mastered(storage: Storage, d: _Delivery, chapter: _AssembledChapter
         cues = _file_cues([p for p in chapter.placed if lo <= p.start < hi], sr, lo,
                           round(mastered.head_pad_s * 1000))
         row = QcRow(chapter=chapter.index, part=k, key=key, format=preset.fmt, sample_rate=preset.sample_rate,
-                    channels=1, kbps=preset.kbps, levels=levels, source_levels=source, checks=checks,
-                    passed=all(checks.values()))
+                    channels=1, kbps=preset.kbps, levels=levels, source_levels=source, gain_db=mastered.gain_db,
+                    checks=checks, passed=all(checks.values()))
         if not row.passed:
             log.warning("job %s: %s fails %s: %s", d.spec.id, key, preset.name,
                         ", ".join(n for n, ok in checks.items() if not ok))
@@ -614,19 +617,41 @@ def _manifest_items(spec: JobSpec, by_chapter: dict[int, list[Segment]], deliver
     return out
 
 
-def fetch_job(storage: Storage, job_id: str, out_dir: str | Path) -> int:
+# A fetched key becomes a path below --out: printable, no backslash, so it cannot steer the terminal
+# or the path (S3 allows any bytes in a key, "../" and escape sequences included).
+_SAFE_NAME = re.compile(r"[^\x00-\x1f\x7f-\x9f\\]+")
+
+
+def fetch_job(storage: Storage, job_id: str, out_dir: str | Path) -> tuple[int, list[str]]:
     """Download every object under jobs/<id>/ into `out_dir`, keeping the layout below the job.
 
     `out_dir/manifest.json`, `out_dir/chapters/0000.wav`, ... Each file appears whole or not at
-    all (written beside its final name, then renamed). Returns the number of files written.
+    all (written beside its final name, then renamed). A key that cannot be a file there (it would
+    land outside `out_dir`, or collides with a folder) or that vanished is skipped, and the rest
+    fetched. Returns (files written, one line per key skipped).
     """
     out = Path(out_dir).resolve()
     prefix = keys.job_prefix(job_id)
-    count = 0
+    count, skipped = 0, []
     for key in storage.list(prefix):
-        target = (out / key[len(prefix):]).resolve()
+        rest = key[len(prefix):]
+        if not _SAFE_NAME.fullmatch(rest) or any(part in ("", ".", "..") for part in rest.split("/")):
+            skipped.append(f"skipped {ascii(storage.describe(key))}: not a safe file name")
+            continue
+        target = (out / rest).resolve()
         if out not in target.parents:
-            raise StorageError(f"object {storage.describe(key)} would land outside {out}")
-        storage.get_file(key, target)
+            skipped.append(f"skipped {storage.describe(key)}: it would land outside {out}")
+            continue
+        try:
+            storage.get_file(key, target)
+        except KeyError:
+            skipped.append(f"skipped {storage.describe(key)}: gone before it was fetched")
+            continue
+        except StorageError as e:  # a local store's symlink leading out of its root
+            skipped.append(f"skipped {storage.describe(key)}: {e}")
+            continue
+        except OSError as e:  # a key that is also a folder ("a" and "a/b"), a name the OS refuses
+            skipped.append(f"skipped {storage.describe(key)}: cannot write {target} ({e.strerror or e})")
+            continue
         count += 1
-    return count
+    return count, skipped

@@ -3,10 +3,15 @@
 HTML becomes text with one paragraph per block element (and per <br>); scripts, styles and the head
 are skipped; the navigation document and spine items with no text (cover images) are left out.
 A document that several TOC entries point into (anchors) is one chapter, titled by its first entry.
+
+An EPUB is an untrusted zip: its sizes are checked from the central directory before anything is
+inflated (`check_zip`), documents are decoded by the encoding they declare (BOM, XML declaration,
+<meta charset>), and any malformed container, OPF or NCX becomes one `CorpusError` naming the file.
 """
 
 from __future__ import annotations
 
+import codecs
 import re
 import zipfile
 from html.parser import HTMLParser
@@ -14,10 +19,11 @@ from pathlib import Path, PurePosixPath
 
 import ebooklib
 from ebooklib import epub
-from lxml import etree
 
-from voxbatch.producer.readers import CorpusError, check_line_lengths
+from voxbatch.producer.readers import CorpusError, CorpusLimits, check_line_lengths, remove_control_characters
 from voxbatch.models import Chapter
+
+_RATIO_FLOOR_BYTES = 2**20  # small members (CSS, a blank page) may compress very well; only big ones count
 
 
 class _HtmlText(HTMLParser):
@@ -116,6 +122,55 @@ def _norm_href(href: str) -> str:
     return str(PurePosixPath(href.split("#", 1)[0]))
 
 
+def check_zip(path: Path, limits: CorpusLimits) -> None:
+    """Refuse a zip bomb from its central directory, before inflating anything.
+
+    zipfile stops inflating a member at the size its directory entry declares (and then fails its
+    CRC), so the declared sizes bound what reading can cost."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            members = z.infolist()
+    except (zipfile.BadZipFile, OSError, ValueError) as e:
+        raise CorpusError(f"{path}: not a readable EPUB ({type(e).__name__}: {e})") from None
+    total = sum(m.file_size for m in members)
+    if total > limits.max_epub_uncompressed_bytes:
+        raise CorpusError(f"{path}: EPUB inflates to {total:,} bytes, over the limit of "
+                          f"{limits.max_epub_uncompressed_bytes:,} (VOXBATCH_MAX_EPUB_UNCOMPRESSED_BYTES)")
+    for m in members:
+        ratio = m.file_size / max(m.compress_size, 1)
+        if m.file_size > _RATIO_FLOOR_BYTES and ratio > limits.max_epub_ratio:
+            raise CorpusError(f"{path}#{m.filename}: inflates {ratio:.0f}x ({m.compress_size:,} -> "
+                              f"{m.file_size:,} bytes), over the limit of {limits.max_epub_ratio:.0f}x "
+                              "(VOXBATCH_MAX_EPUB_RATIO): a zip bomb, not a book")
+
+
+_XML_DECL = re.compile(rb"""^\s*<\?xml[^>]*?encoding\s*=\s*["']([A-Za-z0-9._:-]+)["']""")
+_META_CHARSET = re.compile(rb"""<meta[^>]+charset\s*=\s*["']?([A-Za-z0-9._:-]+)""", re.IGNORECASE)
+
+
+def declared_encoding(raw: bytes) -> str:
+    """The encoding an XHTML document declares: BOM, then XML declaration, then <meta charset>; UTF-8."""
+    for bom, enc in ((codecs.BOM_UTF8, "utf-8-sig"), (codecs.BOM_UTF16_LE, "utf-16"), (codecs.BOM_UTF16_BE, "utf-16")):
+        if raw.startswith(bom):
+            return enc
+    head = raw[:1024]
+    m = _XML_DECL.match(head) or _META_CHARSET.search(head)
+    return m.group(1).decode("ascii").lower() if m else "utf-8"
+
+
+def decode_document(raw: bytes, where: str) -> str:
+    encoding = declared_encoding(raw)
+    try:
+        codecs.lookup(encoding)
+    except LookupError:
+        raise CorpusError(f"{where}: declares unknown encoding {encoding!r}") from None
+    try:
+        return raw.decode(encoding)
+    except UnicodeDecodeError as e:
+        bad = f"invalid byte 0x{raw[e.start]:02x} at offset {e.start}"
+        raise CorpusError(f"{where}: not {encoding} text as it declares ({bad})") from None
+
+
 # Emphasis written as markup characters inside the text (EPUBs converted from markdown): the words stay,
 # the markers go, so nothing reads "asterisk"; a paragraph of only such characters is a scene break.
 _EMPHASIS = [
@@ -159,26 +214,22 @@ def _reading_order(book, titles: dict[str, str], all_spine: bool) -> list[tuple[
     return list(zip(docs, in_toc))[first:]
 
 
-def read_epub(path: Path, *, all_spine: bool = False) -> list[Chapter]:
+def read_epub(path: Path, limits: CorpusLimits = CorpusLimits(), *, all_spine: bool = False) -> list[Chapter]:
     """Chapters of an EPUB in reading order (`_reading_order`), titles from the TOC (else the first
     heading, else the file name); `all_spine` makes every spine document with text a chapter."""
     name = str(path)
+    check_zip(path, limits)
     try:
         book = epub.read_epub(str(path), options={"ignore_ncx": False})
-    except (zipfile.BadZipFile, epub.EpubException, etree.XMLSyntaxError, KeyError, OSError) as e:
+        titles = _toc_titles(book.toc)
+    except Exception as e:  # noqa: BLE001 - ebooklib meets a malformed OPF/NCX with whatever it trips on
+        # (XMLSyntaxError, KeyError, AttributeError, IndexError, TypeError...): all mean "not readable".
         raise CorpusError(f"{name}: not a readable EPUB ({type(e).__name__}: {e})") from None
-    titles = _toc_titles(book.toc)
     chapters: list[Chapter] = []
     for item, starts in _reading_order(book, titles, all_spine):
         where = f"{name}#{item.get_name()}"
-        raw = item.get_content()
-        if raw.startswith(b"\xef\xbb\xbf"):
-            raw = raw[3:]
-        try:
-            html = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            bad = f"invalid byte 0x{raw[e.start]:02x} at offset {e.start}"
-            raise CorpusError(f"{where}: not UTF-8 text ({bad})") from None
+        raw = item.content if isinstance(item.content, bytes) else item.get_content()  # as stored, not re-serialized
+        html = remove_control_characters(decode_document(raw, where), where)
         paragraphs, heading = html_to_paragraphs(html)
         paragraphs = [p for p in map(plain_emphasis, paragraphs) if p]
         if not paragraphs:

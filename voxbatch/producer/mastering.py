@@ -2,7 +2,8 @@
 
     assembled chapter (engine rate, e.g. 24 kHz)
     -> mono, resampled to 44.1 kHz (soxr, very high quality)
-    -> head/tail padded so the room tone lasts head_s / tail_s (acx)
+    -> head/tail padded or cut so the room tone lasts head_s / tail_s (acx; only what lies under -50 dBFS
+       is ever cut)
     -> gain to the preset's level target (acx: RMS -20 dB over the whole file; podcast: -16 LUFS,
        BS.1770 via pyloudnorm), iterated with the limiter in the loop because limiting lowers the level
     -> true-peak limiter at the preset's ceiling (look-ahead on the 4x-oversampled envelope, see `limit`)
@@ -59,8 +60,7 @@ class Preset:
     head_s: float | None = None  # room tone at the head (None: the assembled lead stays as it is)
     tail_s: float | None = None
     room_tone_dbfs: float | None = None
-    sample_rate: int = MASTER_RATE
-    channels: int = 1
+    sample_rate: int = MASTER_RATE  # files are mono
 
 
 PRESETS: dict[str, Preset] = {
@@ -85,7 +85,7 @@ def preset_for(name: str, job_format: str) -> Preset | None:
 @dataclass
 class Mastered:
     audio: np.ndarray  # float32 mono at preset.sample_rate
-    head_pad_s: float  # seconds of room tone put before the chapter's first sample (cues shift by this)
+    head_pad_s: float  # seconds put before (< 0: cut from) the chapter's start; cues shift by this
     gain_db: float  # gain before the limiter
 
 
@@ -147,13 +147,15 @@ def master(audio: np.ndarray, sample_rate: int, preset: Preset, *, ceiling_offse
     sr = preset.sample_rate
     level = _level(x, sr, preset.level)
     gain_db = preset.target_db - level if level > qc.FLOOR_DB else 0.0
-    head_pad = tail_pad = 0
+    head_pad = 0
     if preset.head_s is not None:
-        # Room tone is what lies under -50 dBFS once at level: measure the edges after the first gain.
+        # Room tone is what lies under -50 dBFS once at level: measure the edges after the first gain,
+        # then pad (or cut, when the chapter opens or ends with more silence) to head_s / tail_s.
         head_s, tail_s = qc.edges_s(x * np.float32(10 ** (gain_db / 20)), sr)
-        head_pad = max(0, int(round((preset.head_s - head_s) * sr)))
-        tail_pad = max(0, int(round((preset.tail_s - tail_s) * sr)))
-        x = np.concatenate([np.zeros(head_pad, np.float32), x, np.zeros(tail_pad, np.float32)])
+        head_pad = int(round((preset.head_s - head_s) * sr))
+        tail_pad = int(round((preset.tail_s - tail_s) * sr))
+        x = x[max(0, -head_pad): len(x) - max(0, -tail_pad)]
+        x = np.concatenate([np.zeros(max(0, head_pad), np.float32), x, np.zeros(max(0, tail_pad), np.float32)])
     bed = room_tone(len(x), preset.room_tone_dbfs, seed) if preset.room_tone_dbfs is not None else None
     ceiling = preset.ceiling_db - ceiling_offset_db
     envelope = true_peak_envelope(x, sr)  # of the signal before gain: it scales with the gain

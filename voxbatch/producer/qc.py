@@ -136,7 +136,8 @@ RULES: dict[str, list[Rule]] = {
         ("noise_floor", "noise floor <= -60 dB RMS", lambda lv, f: lv.noise_floor_db <= -60.0),
         ("room_tone_head", "0.5-1 s of room tone at the head", lambda lv, f: 0.5 <= lv.head_s <= 1.0),
         ("room_tone_tail", "1-5 s of room tone at the tail", lambda lv, f: 1.0 <= lv.tail_s <= 5.0),
-        ("length", "no file over 120 minutes", lambda lv, f: lv.duration_s <= MAX_FILE_S["acx"]),
+        ("length", "no file over 120 minutes (VOXBATCH_MASTER_MAX_FILE_S)",
+         lambda lv, f: lv.duration_s <= f.get("max_file_s", MAX_FILE_S["acx"])),
     ],
     "podcast": [
         ("loudness", "-16 LUFS integrated, +-1",
@@ -148,7 +149,8 @@ RULES: dict[str, list[Rule]] = {
 
 
 def check(preset: str, levels: QcLevels, facts: dict) -> dict[str, bool]:
-    """Rule name -> pass, for the preset's rules. `facts`: format, kbps, sample_rate, channels."""
+    """Rule name -> pass, for the preset's rules. `facts`: format, kbps, sample_rate, channels and
+    max_file_s (the job's file length cap; ACX's 120 min by default)."""
     return {name: bool(test(levels, facts)) for name, _, test in RULES[preset]}
 
 

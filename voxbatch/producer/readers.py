@@ -5,13 +5,16 @@ appears in the source) followed by its paragraphs, paragraphs separated by one b
 Segmentation never merges across a paragraph break, so paragraph structure survives to the audio.
 
 Input is refused early with a `CorpusError` naming the file (and byte offset or line) rather than turned
-into garbage audio hours later on a GPU: binary files, text that is not UTF-8, an empty corpus, and a
-single line so long that it cannot be real prose.
+into garbage audio hours later on a GPU: binary files, text that is not UTF-8, an empty corpus, a
+single line so long that it cannot be real prose, a corpus over `CorpusLimits.max_bytes`, a folder
+entry that is a symlink leading out of the folder, and text that is mostly control characters (a few
+stray ones are removed: they would be read aloud as noise or silence).
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 from voxbatch.models import Chapter
@@ -27,21 +30,51 @@ class CorpusError(ValueError):
     """The corpus cannot be read; the message names the file and where."""
 
 
-def read_corpus(path: str | Path, *, all_spine: bool = False) -> list[Chapter]:
+@dataclass(frozen=True)
+class CorpusLimits:
+    """Bounds on what reading a corpus may cost (defaults as in `Settings`; see `from_settings`)."""
+
+    max_bytes: int = 32 * 2**20  # a file, or a folder's files together, as stored on disk
+    max_epub_uncompressed_bytes: int = 256 * 2**20  # an EPUB's members inflated, in all
+    max_epub_ratio: float = 100.0  # inflated / compressed bytes of one EPUB member over 1 MiB
+
+    @classmethod
+    def from_settings(cls, settings) -> "CorpusLimits":
+        return cls(settings.max_corpus_bytes, settings.max_epub_uncompressed_bytes, settings.max_epub_ratio)
+
+
+def check_size(path: Path, size: int, limits: CorpusLimits, what: str = "corpus") -> None:
+    if size > limits.max_bytes:
+        raise CorpusError(f"{path}: {what} is {size:,} bytes, over the limit of {limits.max_bytes:,} "
+                          "(VOXBATCH_MAX_CORPUS_BYTES); split it into several jobs")
+
+
+def check_corpus(path: Path, limits: CorpusLimits) -> None:
+    """The size limits of a corpus file, before anything else opens it (an EPUB's zip directory too)."""
+    if path.is_file():
+        check_size(path, path.stat().st_size, limits)
+        if path.suffix.lower() == ".epub":
+            from voxbatch.producer.epub import check_zip
+
+            check_zip(path, limits)
+
+
+def read_corpus(path: str | Path, limits: CorpusLimits = CorpusLimits(), *, all_spine: bool = False) -> list[Chapter]:
     """Read a corpus and return its chapters in reading order, indexed from 0.
 
     `all_spine`: EPUB only, also read spine items that readers skip (linear="no", absent from the TOC).
     """
     p = Path(path)
     if p.is_dir():
-        return _read_directory(p)
+        return _read_directory(p, limits)
     if not p.is_file():
         raise CorpusError(f"{p}: no such file or directory")
+    check_size(p, p.stat().st_size, limits)
     suffix = p.suffix.lower()
     if suffix == ".epub":
         from voxbatch.producer.epub import read_epub  # ebooklib/lxml are loaded only for EPUB corpora
 
-        return read_epub(p, all_spine=all_spine)
+        return read_epub(p, limits, all_spine=all_spine)
     if suffix in TEXT_SUFFIXES:
         text = decode_text(p.read_bytes(), str(p))
         chapters = _split_text(text, str(p), markdown=suffix in MARKDOWN_SUFFIXES, default_title=p.stem)
@@ -68,8 +101,26 @@ def decode_text(data: bytes, name: str) -> str:
         hint = " (UTF-16 byte-order mark: save the file as UTF-8)" if data[:2] in (b"\xff\xfe", b"\xfe\xff") else ""
         raise CorpusError(f"{name}: not UTF-8 text (invalid byte 0x{data[at]:02x} at offset {at}){hint}") from None
     text = text.replace("\r\n", "\n").replace("\r", "\n")
+    text = remove_control_characters(text, name)
     check_line_lengths(text, name)
     return text
+
+
+# C0 controls but tab and newline, DEL, C1 controls: never prose, and the engine would voice them.
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+MAX_CONTROL_SHARE = 0.01  # more than 1% of the characters: a binary or a broken export, not text
+
+
+def remove_control_characters(text: str, name: str) -> str:
+    """Text without control characters; a text made largely of them is refused, naming the first."""
+    found = _CONTROL.findall(text)
+    if not found:
+        return text
+    if len(found) > max(16, MAX_CONTROL_SHARE * len(text)):
+        at = _CONTROL.search(text)
+        raise CorpusError(f"{name}: {len(found)} control characters in {len(text)} (the first, "
+                          f"U+{ord(at.group()):04X}, at character {at.start()}); not text")
+    return _CONTROL.sub("", text)
 
 
 def check_line_lengths(text: str, name: str, unit: str = "line") -> None:
@@ -383,11 +434,22 @@ def natural_key(name: str) -> list[tuple[int, int | str]]:
     return [(0, int(part)) if part.isdigit() else (1, part.casefold()) for part in re.split(r"(\d+)", name) if part]
 
 
-def _read_directory(folder: Path) -> list[Chapter]:
-    files = [f for f in folder.iterdir() if f.is_file() and not f.name.startswith(".")]
-    files = sorted((f for f in files if f.suffix.lower() in TEXT_SUFFIXES), key=lambda f: natural_key(f.name))
+def _inside(folder: Path, entry: Path) -> Path:
+    """`entry`, refused when it is a symlink that leads out of `folder` (a corpus folder is untrusted:
+    a link to /etc/passwd or ~/.aws/credentials would be read aloud and stored)."""
+    if entry.is_symlink():
+        target = entry.resolve()
+        if folder.resolve() not in target.parents:
+            raise CorpusError(f"{entry}: symlink to {target}, outside the corpus folder; refused")
+    return entry
+
+
+def _read_directory(folder: Path, limits: CorpusLimits = CorpusLimits()) -> list[Chapter]:
+    entries = [f for f in folder.iterdir() if not f.name.startswith(".") and f.suffix.lower() in TEXT_SUFFIXES]
+    files = sorted((f for f in entries if _inside(folder, f).is_file()), key=lambda f: natural_key(f.name))
     if not files:
         raise CorpusError(f"{folder}: no .txt or .md files in this folder")
+    check_size(folder, sum(f.stat().st_size for f in files), limits, what="folder's text")
     chapters = []
     for index, f in enumerate(files):
         text = decode_text(f.read_bytes(), str(f))

@@ -1,7 +1,10 @@
 """Turn a corpus into a job: read, segment, store the spec, create the job state, enqueue render tasks.
 
-Everything that can refuse the input (reading, decoding, segmenting) runs before anything is
-stored, so bad input leaves storage and Redis untouched.
+Everything that can refuse the input (reading, decoding, segmenting, the limits in `Settings`) runs
+before anything is stored, so bad input leaves storage and Redis untouched. Services are checked in
+the order they are written to (voice in storage, then Redis answers, then the spec is stored), and a
+failure after the spec is stored removes what was written: a service that is down leaves nothing
+half-made behind. Large corpora report progress (`Progress`) while they are segmented and enqueued.
 """
 
 from __future__ import annotations
@@ -16,6 +19,9 @@ from voxbatch.models import Chapter, JobSpec, RenderTask, Segment, SynthesisPara
 from voxbatch.reuse import is_builtin_voice
 from voxbatch.settings import AudioFormat, Settings
 from voxbatch.storage import Storage
+
+# progress(stage, done, total): stage "segment" counts chapters, "enqueue" counts segments.
+Progress = Callable[[str, int, int], None]
 
 
 class SubmitError(ValueError):
@@ -44,7 +50,7 @@ def plan_job(path: str | Path, voice: str, settings: Settings, *, name: str | No
              fmt: AudioFormat | None = None, params: SynthesisParams | None = None,
              engine: str | None = None, length_fn: Callable[[str], int] | None = None,
              cast: dict[str, str] | None = None, lexicon: str | Path | None = None, reuse: bool = True,
-             title: str | None = None, author: str | None = None) -> JobSpec:
+             title: str | None = None, author: str | None = None, progress: Progress | None = None) -> JobSpec:
     """Read and segment a corpus into a job spec (nothing stored yet).
 
     `engine` is the engine that will render the job when the caller knows it (`voxbatch render`);
@@ -58,14 +64,14 @@ def plan_job(path: str | Path, voice: str, settings: Settings, *, name: str | No
     from voxbatch.producer.items import ITEM_SUFFIXES, ItemError, read_items
     from voxbatch.producer.lexicon import load_lexicon
     from voxbatch.producer.metadata import read_metadata
-    from voxbatch.producer.readers import read_corpus
-    from voxbatch.producer.segment import segment_chapter, segment_chapters
+    from voxbatch.producer.readers import CorpusLimits, check_corpus, read_corpus
+    from voxbatch.producer.segment import segment_chapter
 
     path = Path(path)
+    keys.check_name("voice name", voice)
+    limits = CorpusLimits.from_settings(settings)
+    check_corpus(path, limits)  # before the metadata reader opens an EPUB
     lex = load_lexicon(lexicon) if lexicon is not None else None
-    meta = read_metadata(path)
-    title = title or meta.title
-    author = author or meta.author
     if length_fn is None:
         length_fn = segment_length_fn(settings, voice, engine)
     kind = "items" if path.is_file() and path.suffix.lower() in ITEM_SUFFIXES else "book"
@@ -78,14 +84,25 @@ def plan_job(path: str | Path, voice: str, settings: Settings, *, name: str | No
                                    **item.model_dump(include={"voice", "speed", "seed"}))
             if not segs:
                 raise ItemError(f"{path}:{item.line}: item {item.id!r} has nothing to speak")
+            check_segments(segs, len(segments) + len(segs), f"{path}:{item.line}", settings)
             titles.append(item.id)
             segments.extend(segs)
     else:
-        chapters = read_corpus(path, all_spine=settings.epub_all_spine)
+        chapters = read_corpus(path, limits, all_spine=settings.epub_all_spine)
+    meta = read_metadata(path)  # after read_corpus, which refuses a malformed EPUB in one line
+    title = title or meta.title
+    author = author or meta.author
+    if kind == "book":
         if settings.preset == "acx":
             chapters = credit_chapters(chapters, title or name or path.stem, author, settings)
         titles = [c.title for c in chapters]
-        segments = segment_chapters(chapters, length_fn=length_fn, cast=cast, lexicon=lex)
+        segments = []
+        for i, chapter in enumerate(chapters):  # chapter by chapter: the limits stop a huge corpus early
+            new = segment_chapter(chapter, length_fn, cast=cast, lexicon=lex)
+            check_segments(new, len(segments) + len(new), chapter.source, settings)
+            segments.extend(new)
+            if progress is not None:
+                progress("segment", i + 1, len(chapters))
     if not segments:
         raise SubmitError(f"{path}: no text to synthesize after segmentation")
     job_id = uuid.uuid4().hex[:12]
@@ -97,6 +114,18 @@ def plan_job(path: str | Path, voice: str, settings: Settings, *, name: str | No
         preset=settings.preset, title=title, author=author,
         cover_key=keys.cover(job_id, meta.cover_ext) if meta.cover else None,
     )
+
+
+def check_segments(new: list[Segment], total: int, source: str, settings: Settings) -> None:
+    """The job-size limits, checked chapter by chapter as segments are made (a huge corpus stops early)."""
+    if total > settings.max_segments_per_job:
+        raise SubmitError(f"{source}: the corpus makes more than {settings.max_segments_per_job:,} segments "
+                          "(VOXBATCH_MAX_SEGMENTS_PER_JOB); split it into several jobs")
+    for s in new:
+        if len(s.text) > settings.max_segment_chars:
+            raise SubmitError(f"{source}: segment {s.id} is {len(s.text):,} characters with no place to cut "
+                              f"(limit {settings.max_segment_chars:,}, VOXBATCH_MAX_SEGMENT_CHARS): "
+                              f"{s.text[:40]!r}...")
 
 
 OPENING_CREDITS = "Opening Credits"
@@ -149,13 +178,24 @@ def check_voice(storage: Storage, voice: str) -> None:
                           f"create it with `voxbatch voice add {voice} --wav PROMPT.wav --text TRANSCRIPT`")
 
 
+def spec_bytes(spec: JobSpec, settings: Settings) -> bytes:
+    """job.json as stored, refused over `max_job_spec_bytes` (before anything is written)."""
+    data = spec.model_dump_json(indent=1).encode()
+    if len(data) > settings.max_job_spec_bytes:
+        raise SubmitError(f"{spec.source}: the job spec would be {len(data):,} bytes, over the limit of "
+                          f"{settings.max_job_spec_bytes:,} (VOXBATCH_MAX_JOB_SPEC_BYTES); split the corpus")
+    return data
+
+
+
+
 def check_voices(storage: Storage, spec: JobSpec) -> None:
     """Every voice the job speaks in (narrator, cast, line items) exists, before anything is queued."""
     for voice in dict.fromkeys([spec.voice, *spec.cast.values(), *(s.voice for s in spec.segments if s.voice)]):
         check_voice(storage, voice)
 
 
-def store_spec(storage: Storage, spec: JobSpec) -> None:
+def store_spec(storage: Storage, spec: JobSpec, data: bytes | None = None) -> None:
     """The spec, and beside it the book's cover image (read again from the corpus the spec names)."""
     if spec.cover_key:
         from voxbatch.producer.metadata import read_metadata
@@ -163,7 +203,7 @@ def store_spec(storage: Storage, spec: JobSpec) -> None:
         cover = read_metadata(spec.source).cover
         if cover:
             storage.put(spec.cover_key, cover, "image/png" if spec.cover_key.endswith(".png") else "image/jpeg")
-    storage.put(keys.job_spec(spec.id), spec.model_dump_json(indent=1).encode(), "application/json")
+    storage.put(keys.job_spec(spec.id), data or spec.model_dump_json(indent=1).encode(), "application/json")
 
 
 def load_spec(storage: Storage, job_id: str) -> JobSpec:
@@ -173,16 +213,40 @@ def load_spec(storage: Storage, job_id: str) -> JobSpec:
         raise SubmitError(f"job {job_id!r}: no spec at {storage.describe(keys.job_spec(job_id))}") from None
 
 
-def submit_job(spec: JobSpec, settings: Settings, storage: Storage, queue: str | None = None) -> str:
-    """Store the spec, create the job state in Redis, enqueue its render tasks; returns the job id."""
+def submit_job(spec: JobSpec, settings: Settings, storage: Storage, queue: str | None = None,
+               progress: Progress | None = None) -> str:
+    """Store the spec, create the job state in Redis, enqueue its render tasks; returns the job id.
+
+    Redis must answer before the spec is stored; if anything fails once it is stored, the spec and
+    the job state are removed again (best effort: the service that failed may be the one to clean)."""
     from voxbatch.celery_app import configure_celery, send_render
     from voxbatch.jobstate import RedisJobStore
 
+    data = spec_bytes(spec, settings)
+    storage.check()
     check_voices(storage, spec)
-    configure_celery(settings)
-    store_spec(storage, spec)
     jobs = RedisJobStore.from_url(settings.broker_url)
-    jobs.create(spec.id, spec.name, spec.voice, spec.format, len(spec.segments), spec.created_at)
-    for task in render_tasks(spec, settings.batch_size):
-        send_render(task, queue or settings.render_queue)
+    jobs.r.ping()
+    configure_celery(settings)
+    store_spec(storage, spec, data)
+    try:
+        jobs.create(spec.id, spec.name, spec.voice, spec.format, len(spec.segments), spec.created_at)
+        sent = 0
+        for task in render_tasks(spec, settings.batch_size):
+            send_render(task, queue or settings.render_queue)
+            sent += len(task.segments)
+            if progress is not None:
+                progress("enqueue", sent, len(spec.segments))
+    except BaseException:
+        _undo_submit(jobs, storage, spec.id)
+        raise
     return spec.id
+
+
+def _undo_submit(jobs, storage: Storage, job_id: str) -> None:
+    """Take back a half-made submission: the job state (queued tasks then skip) and the spec."""
+    for undo in (lambda: jobs.discard(job_id), lambda: storage.delete(keys.job_spec(job_id))):
+        try:
+            undo()
+        except Exception:  # noqa: BLE001 - the service that failed the submit may refuse this too
+            pass

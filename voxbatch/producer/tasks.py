@@ -41,6 +41,8 @@ def assemble(self, job_id: str) -> dict:
     except Exception as e:
         if self.request.retries >= MAX_RETRIES:
             log.error("job %s: assembly failed for good: %s", job_id, e)
+            reason = f"assembly failed: {type(e).__name__}: {e}"
+            wait_for_service(lambda: jobs.set_reason(job_id, reason), f"job {job_id}", log=log)
             wait_for_service(lambda: jobs.set_state(job_id, "failed"), f"job {job_id}", log=log)
             raise
         raise self.retry(exc=e, countdown=backoff_s(self.request.retries + 1, 1000, 30_000)) from e

@@ -5,7 +5,9 @@ The official CosyVoice2 frontend (`frontend_zero_shot`) turns a prompt into thre
   - speaker embedding: `campplus.onnx` on the 16 kHz mean-normalised Kaldi fbank;
   - prompt mel: the 24 kHz mel the flow is conditioned on;
 then cuts both to agree (2 mel frames per token). Audio is refused up front when it cannot make a
-usable voice (too long for the tokenizer, silent, or recorded below 16 kHz), with the reason.
+usable voice (too long for the tokenizer, silent, NaN/Inf samples, or recorded below 16 kHz), and so
+is a transcript that is empty or so long that the prompt leaves no room in the LLM's positions for a
+segment to be spoken (`check_transcript`), with the reason.
 """
 
 from __future__ import annotations
@@ -30,6 +32,10 @@ MAX_PROMPT_S = 30.0  # the speech tokenizer's limit (the official frontend asser
 MIN_PROMPT_RMS = 1e-3  # -60 dBFS: below this the prompt is silence
 MIN_NATIVE_SAMPLE_RATE = 16000  # upsampled narrowband audio has no speech above 4 kHz to learn from
 TOKEN_MEL_RATIO = 2  # prompt mel frames per speech token (50 Hz mel, 25 Hz tokens)
+# What one segment needs in the LLM's positions besides the prompt: the longest segment the segmenter
+# makes (`SplitRules.hard_max_n` text tokens) and the fewest speech tokens the engine lets it speak
+# (2 per text token, `MIN_TOKENS_PER_TEXT_TOKEN` in worker/cosyvoice2/engine.py).
+SEGMENT_ROOM_TOKENS = 160 * (1 + 2)
 SPEECH_TOKENIZER = "speech_tokenizer_v2.onnx"
 SPEAKER_ENCODER = "campplus.onnx"
 
@@ -41,6 +47,10 @@ class VoiceCreationError(ValueError):
 def check_prompt(wav: np.ndarray, sample_rate: int, path: str | Path) -> None:
     """Refuse prompt audio that cannot make a usable voice, saying why."""
     duration_s = len(wav) / sample_rate
+    if not np.isfinite(wav).all():
+        bad = int(np.flatnonzero(~np.isfinite(wav))[0])
+        raise VoiceCreationError(f"{path}: holds NaN or infinite samples (the first at sample {bad}); "
+                                 "export the prompt again")
     if sample_rate < MIN_NATIVE_SAMPLE_RATE:
         raise VoiceCreationError(
             f"{path}: sample rate {sample_rate} Hz is below {MIN_NATIVE_SAMPLE_RATE} Hz; "
@@ -117,8 +127,29 @@ def align_prompt(tokens: np.ndarray, mel: np.ndarray) -> tuple[np.ndarray, np.nd
     return tokens[:n], mel[: TOKEN_MEL_RATIO * n]
 
 
-def create_voice(model_dir: str | Path, name: str, wav_path: str | Path, text: str) -> VoiceProfile:
-    """Prompt recording + its transcript -> a voice profile (store it with `voxbatch.voice.save_voice`)."""
+def check_transcript(model_dir: str | Path, text: str, n_speech_tokens: int, max_positions: int) -> None:
+    """Refuse an empty transcript, or one whose prompt (transcript tokens + prompt speech tokens + 2)
+    leaves fewer than SEGMENT_ROOM_TOKENS of the LLM's `max_positions` for a segment."""
+    if not text.strip():
+        raise VoiceCreationError("empty transcript: --text must say what the prompt audio says")
+    from voxbatch.tokenizer import CosyVoice2Tokenizer
+
+    n_text = len(CosyVoice2Tokenizer.from_model_dir(model_dir).encode(text.strip()))
+    prompt = n_text + n_speech_tokens + 2
+    if prompt + SEGMENT_ROOM_TOKENS > max_positions:
+        raise VoiceCreationError(
+            f"transcript of {n_text} tokens (+ {n_speech_tokens} prompt speech tokens) leaves "
+            f"{max(max_positions - prompt, 0)} of the LLM's {max_positions} positions for a segment, which "
+            f"needs {SEGMENT_ROOM_TOKENS}; use a shorter prompt and transcript (3-10 s of speech)")
+
+
+def create_voice(model_dir: str | Path, name: str, wav_path: str | Path, text: str,
+                 max_positions: int = 4096) -> VoiceProfile:
+    """Prompt recording + its transcript -> a voice profile (store it with `voxbatch.voice.save_voice`).
+
+    `max_positions` is the LLM's sequence capacity (`Settings.vllm_max_model_len`)."""
+    if not text.strip():
+        raise VoiceCreationError("empty transcript: --text must say what the prompt audio says")
     wav, rate = load_wav(wav_path)
     check_prompt(wav, rate, wav_path)
     wav16k = resample(wav, rate, TOKENIZER_SAMPLE_RATE)
@@ -126,6 +157,7 @@ def create_voice(model_dir: str | Path, name: str, wav_path: str | Path, text: s
     tokens, mel = align_prompt(speech_tokens(model_dir, wav16k), prompt_mel(wav24k))
     if tokens.shape[0] == 0:
         raise VoiceCreationError(f"{wav_path}: too short to give a single speech token")
+    check_transcript(model_dir, text, tokens.shape[0], max_positions)
     return VoiceProfile(
         name=name,
         prompt_text=text.strip(),

@@ -57,6 +57,20 @@ def _abandon_after(pipeline, window_s: float) -> None:
     log.warning("shutdown window over: %d unfinished render task(s) handed back to the queue", handed_back)
 
 
+def _heartbeat(jobs: RedisJobStore, pipeline, name: str, queues: str, every_s: float) -> None:
+    """Tell Redis this worker is alive, and when it last took work, every `every_s` (a daemon thread:
+    it dies with the process, and the entry then ages out)."""
+    def beat() -> None:
+        while True:
+            try:
+                jobs.worker_beat(name, pipeline.last_took, queues)
+            except Exception as e:  # noqa: BLE001 - Redis away: the next beat tries again
+                log.warning("heartbeat not written: %s", e)
+            time.sleep(every_s)
+
+    threading.Thread(target=beat, name="heartbeat", daemon=True).start()
+
+
 def serve(gpu: str | None, concurrency: int | None, queues: str | None, hostname: str | None) -> None:
     from voxbatch.worker import tasks
     from voxbatch.worker.engine import build_engine
@@ -74,13 +88,15 @@ def serve(gpu: str | None, concurrency: int | None, queues: str | None, hostname
 
         metrics = Metrics(worker=hostname or socket.gethostname(), gpu=gpu or "cpu")
         metrics.serve(settings.metrics_port + (int(gpu) if gpu and gpu.isdigit() else 0))
-    pipeline = Pipeline(engine, open_storage(settings), RedisJobStore.from_url(settings.broker_url), settings,
+    jobs = RedisJobStore.from_url(settings.broker_url)
+    pipeline = Pipeline(engine, open_storage(settings), jobs, settings,
                         on_job_complete=lambda job_id: send_assemble(job_id, settings.assemble_queue),
                         metrics=metrics).start()
     tasks.install(pipeline)
     install_heartbeat(settings.broker_url, settings.task_heartbeat_s)
     _bound_shutdown(pipeline, shutdown_window_s(settings))
     name = hostname or f"voxbatch-{'gpu' + gpu if gpu is not None else 'cpu'}@{socket.gethostname()}"
+    _heartbeat(jobs, pipeline, f"{name}/{os.getpid()}", queues or settings.render_queue, settings.worker_heartbeat_s)
     try:
         app.worker_main([
             "worker", "--pool", "threads", "--concurrency", str(concurrency or settings.task_concurrency),

@@ -29,6 +29,15 @@ class Discard(Exception):
     """The message cannot become a render task; its text says why (one log line, no payload dump)."""
 
 
+class SpecMissing(Discard):
+    """The job's spec is not in this worker's storage: the job cannot be rendered here at all (most
+    often producer and workers point at different storage); the task records that on the job."""
+
+    def __init__(self, job_id: str, message: str):
+        super().__init__(message)
+        self.job_id = job_id
+
+
 class SpecCache:
     """The last few job specs this worker read (jobs/<id>/job.json), with their segments by id.
 
@@ -51,7 +60,7 @@ class SpecCache:
             raw = wait_for_service(lambda: self.storage.get(key), f"job {job_id}: reading its spec", log=log,
                                    stop=stop)
         except KeyError:
-            raise Discard(f"job {job_id} has no spec at {self.storage.describe(key)}") from None
+            raise SpecMissing(job_id, f"job {job_id} has no spec at {self.storage.describe(key)}") from None
         try:
             spec = JobSpec.model_validate_json(raw)
         except ValidationError as e:

@@ -146,6 +146,7 @@ class Pipeline:
         self._handles_lock = threading.Lock()
         self._abandoned = threading.Event()  # set by abandon() and stop(): submit stops waiting on services
         self.engine_waited_s = 0.0  # time the engine spent blocked on a full output queue
+        self.last_took = 0.0  # unix time the engine last took a batch (the worker heartbeat reports it)
         self._unstored = 0  # results emitted by the engine and not yet stored or failed
         self._unstored_cv = threading.Condition()
 
@@ -327,6 +328,7 @@ class Pipeline:
         is stored. So a poison segment's next crash takes no batch-mate and no finished audio with it.
         """
         admitted = []
+        self.last_took = time.time()
         pairs = [(r.tag.handle.task.job_id, r.tag.segment.id) for r in batch]
         attempts = self._service(lambda: self.jobs.begin_attempts(pairs), "engine: counting attempts")
         for req, attempt in zip(batch, attempts):

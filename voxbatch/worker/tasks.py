@@ -31,12 +31,30 @@ def install(pipeline: Pipeline) -> None:
     _specs = messages.SpecCache(pipeline.storage)
 
 
+def _fail_job(job_id: str, reason: str) -> None:
+    """A job that exists in Redis but can never render here: mark it failed with the reason, so
+    `voxbatch status` says why instead of showing 0/N forever (a forged message for a job whose spec
+    exists never gets here)."""
+    jobs = _pipeline.jobs
+    try:
+        if jobs.state(job_id) in ("queued", "running"):
+            jobs.set_reason(job_id, reason)
+            jobs.set_state(job_id, "failed")
+    except Exception as e:  # noqa: BLE001 - Redis away: the log line above still says it
+        log.warning("job %s: could not record its failure: %s", job_id, e)
+
+
 @app.task(name=RENDER_TASK, bind=True)
 def render(self, *args, **kwargs) -> dict:
     if _pipeline is None or _specs is None:
         raise RuntimeError("render task received before the worker's pipeline was installed")
     try:
         task = messages.resolve(messages.parse(args, kwargs), _specs, stop=_pipeline.stopping)
+    except messages.SpecMissing as e:
+        log.error("discarded render message %.80r: %s", self.request.id, e)
+        _fail_job(e.job_id, f"a render worker found no spec for it ({e}); do the producer and the workers "
+                            "use the same storage (VOXBATCH_STORAGE_URL, VOXBATCH_S3_ENDPOINT)?")
+        return {"discarded": str(e)}
     except messages.Discard as e:
         log.error("discarded render message %.80r: %s", self.request.id, e)
         return {"discarded": str(e)}

@@ -18,6 +18,7 @@ The flow is always conditioned on the voice (prompt tokens, prompt mel, speaker 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections import OrderedDict
@@ -137,6 +138,23 @@ def time_scale(mel: torch.Tensor, speed: float) -> torch.Tensor:
     return F.interpolate(mel[None], size=frames, mode="linear")[0]
 
 
+@contextlib.contextmanager
+def deterministic_cudnn() -> Iterator[None]:
+    """cuDNN limited to deterministic algorithms while HiFT runs, restored after.
+
+    HiFT's transposed convolutions run cuDNN backward-data kernels, some of which accumulate with
+    atomics: on an H200 the same mel and seed gave different audio run to run (the LLM and flow were
+    bit-stable). The flag is process-wide while set, so it is set only around the vocoder call, on
+    the thread that runs flow and HiFT (the LLM's attention and matmuls do not use cuDNN), never for
+    the whole process from a constructor."""
+    before = torch.backends.cudnn.deterministic
+    torch.backends.cudnn.deterministic = True
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.deterministic = before
+
+
 class CosyVoice2Engine(Engine):
     name = "cosyvoice2"
 
@@ -211,11 +229,6 @@ class CosyVoice2Engine(Engine):
             llm = VllmLlmBackend.from_settings(settings or Settings(model_dir=str(model_dir), engine_max_batch=max_batch))
         else:
             raise ValueError(f"unknown llm_backend {llm_backend!r} (torch or vllm)")
-        if any(torch.device(d).type == "cuda" for d in (p.flow_device, p.hift_device)):
-            # HiFT's transposed convolutions run cuDNN backward-data kernels, some of which accumulate
-            # with atomics: on an H200 the same mel and seed gave different audio run to run (the LLM and
-            # flow were bit-stable). Deterministic algorithms make a re-rendered segment identical.
-            torch.backends.cudnn.deterministic = True
         flow = CausalFlow.from_model_dir(model_dir, device=p.flow_device, dtype=p.flow_dtype)
         if settings is not None and settings.flow_compile and torch.device(p.flow_device).type == "cuda":
             flow.decoder.compile_estimator()  # compiled by warmup(), before the first task
@@ -295,9 +308,9 @@ class CosyVoice2Engine(Engine):
             max_tokens = min(max_tokens, p.max_tokens)
         # The one place max_tokens meets the backend's capacity: `max_seq` is the torch backend's KV
         # cache length and the vllm backend's max_model_len; either rejects a request past it.
-        max_seq = getattr(self.llm, "max_seq", None)
+        max_seq = self.llm.max_seq
         prompt_len = len(prefix) + len(text) + len(prompt_speech) + 2  # sos + text + task_id + speech
-        if max_seq is not None and prompt_len + max_tokens > max_seq:
+        if prompt_len + max_tokens > max_seq:
             if prompt_len >= max_seq:
                 raise ValueError(f"prompt of {prompt_len} tokens does not fit the LLM's {max_seq} positions")
             max_tokens = max_seq - prompt_len
@@ -327,9 +340,7 @@ class CosyVoice2Engine(Engine):
         for result in self._run(items):
             if result.error:
                 raise RuntimeError(f"cosyvoice2 warm-up failed: {result.error}")
-        backend_warmup = getattr(self.llm, "warmup", None)
-        if backend_warmup is not None:
-            backend_warmup()
+        self.llm.warmup()
 
     def synthesize(self, batch: list[SynthesisRequest]) -> Iterator[SynthesisResult]:
         items: list[_Item] = []
@@ -383,7 +394,8 @@ class CosyVoice2Engine(Engine):
         mel_lens = [m.shape[1] for m in mels]
         mel = _pad([m.transpose(0, 1) for m in mels], mel_lens).transpose(1, 2)  # (B, 80, T_mel)
         generators = [torch.Generator(device=hift_dev).manual_seed(s) for s in seeds]
-        wav, _ = self.hift.inference(mel, torch.tensor(mel_lens, device=hift_dev), generators)  # (B, T_wav)
+        with deterministic_cudnn():
+            wav, _ = self.hift.inference(mel, torch.tensor(mel_lens, device=hift_dev), generators)  # (B, T_wav)
         wav = wav.float().cpu().numpy()
         spf = self.hift.d.samples_per_frame
         return [np.ascontiguousarray(wav[i, : n * spf]) for i, n in enumerate(mel_lens)]

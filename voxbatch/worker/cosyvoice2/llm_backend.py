@@ -37,7 +37,16 @@ class LlmResult:
 
 
 class LlmBackend(ABC):
+    """What the engine calls, and all it calls: nothing is looked up with getattr."""
+
     name: str
+    max_seq: int  # positions one request may use (prompt + generated tokens); the engine caps max_tokens to fit
+
+    def warmup(self) -> None:
+        """Once, before the first task (the torch backend captures its CUDA graphs); nothing by default."""
+
+    def close(self) -> None:
+        """Free what the backend holds (engine processes, caches, GPU memory); nothing by default."""
 
     @abstractmethod
     def generate(self, requests: list[LlmRequest]) -> Iterator[LlmResult]:
