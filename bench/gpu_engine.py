@@ -1,21 +1,24 @@
-"""CosyVoice2 at full size on one GPU: stage throughput, end to end through the worker pipeline, and
-the official-style one-at-a-time baseline, in one run.
+"""CosyVoice2 at full size on one GPU: the real worker, the shipped engine alone, its stages, and the
+official-style one-at-a-time baseline, in one run.
 
-    python -m bench.gpu_engine                      # everything, placement single, on cuda:0
-    python -m bench.gpu_engine --placement split    # LLM on cuda:0, flow/HiFT on cuda:1 (cuda:0 if only one GPU)
-    python -m bench.gpu_engine --tiny --device cpu  # the fixture's sizes on a CPU: a quick check of every code path
+    python -m bench.gpu_engine                      # every stage on cuda:0
+    python -m bench.gpu_engine --tiny --device cpu  # the fixture's sizes on a CPU: every code path (CI)
 
-Random weights at the official sizes (bench/gpu_models.py); every segment's length is forced from its
-text (25 speech tokens per second of audio). Stages:
+Only classes a worker runs are measured. Random weights at the official sizes (bench/gpu_models.py),
+written as an official model folder for the worker and the engine; every segment's length is forced
+from its text (Settings.engine_forced_lengths, 25 speech tokens per second of audio). Stages:
   accuracy   bf16/fp16 vs fp32 on the same inputs (LLM log-probs, flow mels, HiFT waveforms)
-  llm        speech tokens/s vs batch size: our torch backend (the whole decode step as CUDA
-             graphs) and vLLM if importable
-  flow_hift  audio s per s vs batch size, length-bucketed batches
-  e2e        engine -> bounded queue -> upload threads (encode + write to a local folder), double
-             buffer on and off (off: output queue 1, one upload thread)
+  llm        speech tokens/s of the torch backend vs batch size, and over the mixed-length corpus
+  flow_hift  audio s per s vs batch size, length-bucketed batches (optionally compiled flow, A/B)
+  worker     `voxbatch worker` fed by `voxbatch submit` through a redis-server here (bench/worker_run.py),
+             one job per task size; the first is the headline figure
+  engine     the worker's CosyVoice2Engine through its Pipeline, fed as a worker feeds it, one run per
+             configuration (same-run A/B), on the worker's job segments
   baseline   one segment at a time, eager: LLM fp32 step loop, flow fp16 autocast, HiFT fp32
   profile    torch.profiler of one decode step, one flow batch and one HiFT batch
-Peak GPU memory is recorded per stage. Prints a table; writes JSON + Markdown (--out).
+  vllm       the vLLM backend's tokens/s, if vllm is importable
+Unknown stage names are an error; a failing (or skipped) stage makes the script exit 1. The JSON records
+the commit measured and a `headline` object. Prints a table; writes JSON + Markdown (--out).
 """
 
 from __future__ import annotations
@@ -27,7 +30,6 @@ import json
 import math
 import os
 import platform
-import queue
 import shutil
 import subprocess
 import sys
@@ -35,16 +37,14 @@ import tempfile
 import threading
 import time
 import traceback
-import types
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import nullcontext
 from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from bench.gpu_models import (
     FULL_YAML,
@@ -58,12 +58,13 @@ from bench.gpu_models import (
     save_llm,
     text_token_ids,
     write_model_dir,
+    write_official_model_dir,
 )
 from voxbatch.worker.cosyvoice2.torch_backend import TorchLlmBackend
-from voxbatch.worker.cosyvoice2.llm import Attention, apply_rope
 from voxbatch.worker.cosyvoice2.llm_backend import LlmBackend, LlmRequest
 from voxbatch.worker.cosyvoice2.sampling import sample_tokens
-from voxbatch.worker.engine import Engine, SynthesisRequest, SynthesisResult
+from voxbatch.settings import Settings
+from voxbatch.worker.engine import Engine
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE_RATE = 24000
@@ -116,39 +117,6 @@ def environment(args: argparse.Namespace) -> dict:
     except importlib.metadata.PackageNotFoundError:
         info["vllm"] = None
     return info
-
-
-# -- decode attention with grouped query heads (an A/B option) ------------------------------------------
-
-
-def _grouped_decode_forward(self: Attention, x, cos, sin, mask, cache=None, write_rows=None, write_pos=None, kv_len=0):
-    """Decode (T == 1): the g = H / KVH query heads of one KV head become g query rows of one head, so
-    SDPA reads each cached K/V once with a plain (non-GQA) kernel instead of expanding K/V g times."""
-    if cache is None or write_pos is None:
-        return Attention.forward(self, x, cos, sin, mask, cache=cache, write_rows=write_rows, write_pos=write_pos, kv_len=kv_len)
-    B = x.shape[0]
-    q = self.q_proj(x).view(B, 1, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, 1, hd)
-    k = self.k_proj(x).view(B, 1, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, KVH, 1, hd)
-    v = self.v_proj(x).view(B, 1, self.n_kv_heads, self.head_dim).transpose(1, 2)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    cache_k, cache_v = cache
-    rows = torch.arange(B, device=x.device)
-    cache_k[rows, :, write_pos] = k[:, :, 0]
-    cache_v[rows, :, write_pos] = v[:, :, 0]
-    keys, values = cache_k[:B, :, :kv_len], cache_v[:B, :, :kv_len]  # (B, KVH, kv_len, hd)
-    g = self.n_heads // self.n_kv_heads
-    qg = q.reshape(B, self.n_kv_heads, g, self.head_dim)  # query head h = kvh * g + j uses KV head kvh
-    out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask)  # mask (B, 1, 1, kv_len) broadcasts
-    return self.o_proj(out.reshape(B, 1, self.n_heads * self.head_dim))
-
-
-def set_grouped_decode(model, on: bool) -> None:
-    for layer in model.body.layers:
-        attn = layer.self_attn
-        if on:
-            attn.forward = types.MethodType(_grouped_decode_forward, attn)
-        elif "forward" in attn.__dict__:
-            del attn.forward
 
 
 # -- requests ----------------------------------------------------------------------------------------------
@@ -232,108 +200,8 @@ class Renderer:
 # An 8-second transcript for the voice prompt (21 words at 2.6 words/s), for the worker engine's zero-shot input.
 PROMPT_TRANSCRIPT = "The morning light fell across the quiet harbor as the fishing boats returned with their nets full and the gulls circling."
 
-# -- the engine the worker pipeline drives -----------------------------------------------------------------
-
-
-class BenchEngine(Engine):
-    """CosyVoice2 stages over the benchmark's random-weight model: LLM (continuous batching, longest
-    texts first so the batch does not end on a long tail) -> length-bucketed flow/HiFT batches as soon
-    as `flow_batch` sequences are finished.
-
-    `overlap=True` runs flow/HiFT in a second thread on its own CUDA stream while the LLM keeps
-    decoding: the decode step is latency-bound and leaves most of the GPU idle, the flow fills it."""
-
-    name = "cosyvoice2-bench"
-    sample_rate = SAMPLE_RATE
-
-    def __init__(self, llm: LlmBackend, renderer: Renderer, prompt: VoicePrompt, text_vocab: int,
-                 max_batch: int = 512, flow_batch: int = 64, overlap: bool = True):
-        self.llm, self.renderer, self.prompt, self.text_vocab = llm, renderer, prompt, text_vocab
-        self.max_batch, self.flow_batch, self.overlap = max_batch, flow_batch, overlap
-        self.times: dict[str, float] = defaultdict(float)
-
-    def warmup(self) -> None:
-        pass  # warmed by the benchmark before timing
-
-    def _render(self, items: list[tuple[SynthesisRequest, list[int]]]) -> list[SynthesisResult]:
-        wavs = self.renderer([t for _, t in items], [r.seed for r, _ in items])
-        return [SynthesisResult(req, wav) for (req, _), wav in zip(items, wavs)]
-
-    def _decoded(self, batch: list[SynthesisRequest]) -> Iterator[tuple[SynthesisRequest, list[int]]]:
-        """(request, speech tokens) as sequences finish; requests enter longest text first."""
-        reqs = [llm_request(r.text, r.seed, self.prompt, self.text_vocab) for r in batch]
-        order = sorted(range(len(reqs)), key=lambda i: -len(reqs[i].text_tokens))
-        for res in self.llm.generate([reqs[i] for i in order]):
-            yield batch[order[res.index]], res.tokens
-
-    def synthesize(self, batch: list[SynthesisRequest]) -> Iterator[SynthesisResult]:
-        if self.overlap:
-            yield from self._synthesize_overlapped(batch)
-            return
-        done: list[tuple[SynthesisRequest, list[int]]] = []
-        t0 = time.perf_counter()
-        for item in self._decoded(batch):
-            done.append(item)
-            if len(done) >= self.flow_batch:
-                self.times["llm"] += time.perf_counter() - t0
-                done.sort(key=lambda x: len(x[1]))
-                chunk, done = done[: self.flow_batch], done[self.flow_batch :]
-                yield from self._render(chunk)
-                t0 = time.perf_counter()
-        self.times["llm"] += time.perf_counter() - t0
-        done.sort(key=lambda x: len(x[1]))
-        for i in range(0, len(done), self.flow_batch):
-            yield from self._render(done[i : i + self.flow_batch])
-
-    def _render_loop(self, inbox: queue.Queue, outbox: queue.Queue) -> None:
-        dev = self.renderer.device
-        stream = torch.cuda.Stream(dev) if dev.startswith("cuda") else None
-        with torch.cuda.stream(stream) if stream is not None else nullcontext():
-            while (chunk := inbox.get()) is not None:
-                try:
-                    outbox.put(self._render(chunk))
-                except Exception as e:  # noqa: BLE001 - handed to the engine thread, which raises it
-                    outbox.put(e)
-
-    def _synthesize_overlapped(self, batch: list[SynthesisRequest]) -> Iterator[SynthesisResult]:
-        inbox: queue.Queue = queue.Queue()
-        outbox: queue.Queue = queue.Queue()
-        worker = threading.Thread(target=self._render_loop, args=(inbox, outbox), name="flow-hift", daemon=True)
-        worker.start()
-        sent = received = 0
-
-        def take(block: bool) -> Iterator[SynthesisResult]:
-            nonlocal received
-            while received < sent:
-                try:
-                    item = outbox.get(block=block)
-                except queue.Empty:
-                    return
-                received += 1
-                if isinstance(item, Exception):
-                    raise item
-                yield from item
-
-        try:
-            done: list[tuple[SynthesisRequest, list[int]]] = []
-            t0 = time.perf_counter()
-            for item in self._decoded(batch):
-                done.append(item)
-                if len(done) >= self.flow_batch:
-                    done.sort(key=lambda x: len(x[1]))
-                    inbox.put(done[: self.flow_batch])
-                    done = done[self.flow_batch :]
-                    sent += 1
-                yield from take(block=False)
-            self.times["llm"] += time.perf_counter() - t0
-            done.sort(key=lambda x: len(x[1]))
-            for i in range(0, len(done), self.flow_batch):
-                inbox.put(done[i : i + self.flow_batch])
-                sent += 1
-            yield from take(block=True)
-        finally:
-            inbox.put(None)
-            worker.join()
+# An 8-second transcript for the voice prompt (21 words at 2.6 words/s): the stored voice's prompt text.
+PROMPT_TRANSCRIPT = "The morning light fell across the quiet harbor as the fishing boats returned with their nets full and the gulls circling."
 
 
 class StoreTimes:
@@ -362,114 +230,153 @@ class StoreTimes:
 
 
 class GpuUtilisation:
-    """Mean and peak GPU utilisation per device while a run lasts, from `nvidia-smi -lms` (issue 7 asks
-    for each device's utilisation per placement); `None` where nvidia-smi is absent (CPU runs)."""
+    """GPU utilisation per device while a run lasts, from `nvidia-smi -lms` (the share of each sample
+    period in which a kernel ran), each sample stamped as it arrives so a summary can cover an exact
+    window; `None` where nvidia-smi is absent (CPU runs)."""
 
-    def __init__(self, interval_ms: int = 200):
+    def __init__(self, interval_ms: int = 100):
         self.interval_ms = interval_ms
         self.proc: subprocess.Popen | None = None
+        self.samples: list[tuple[float, str, float]] = []  # (unix time, gpu, utilisation %)
+        self._reader: threading.Thread | None = None
 
     def __enter__(self) -> "GpuUtilisation":
         if shutil.which("nvidia-smi"):
             self.proc = subprocess.Popen(
                 ["nvidia-smi", "--query-gpu=index,utilization.gpu", "--format=csv,noheader,nounits",
                  f"-lms={self.interval_ms}"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            self._reader = threading.Thread(target=self._read, daemon=True)
+            self._reader.start()
         return self
+
+    def _read(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for line in self.proc.stdout:
+            parts = [p.strip() for p in line.split(",")]
+            if len(parts) == 2 and parts[1].replace(".", "", 1).isdigit():
+                self.samples.append((time.time(), f"gpu{parts[0]}", float(parts[1])))
 
     def __exit__(self, *exc) -> None:
         if self.proc is not None:
             self.proc.terminate()
+            self.proc.wait(10)
+            if self._reader is not None:
+                self._reader.join(5)
 
-    def summary(self) -> dict[str, dict[str, float]] | None:
+    def summary(self, window: tuple[float, float] | None = None) -> dict[str, dict[str, float]] | None:
         if self.proc is None:
             return None
-        out, _ = self.proc.communicate(timeout=10)
-        samples: dict[str, list[float]] = defaultdict(list)
-        for line in out.splitlines():
-            parts = [p.strip() for p in line.split(",")]
-            if len(parts) == 2 and parts[1].replace(".", "", 1).isdigit():
-                samples[f"gpu{parts[0]}"].append(float(parts[1]))
+        per: dict[str, list[float]] = defaultdict(list)
+        for t, gpu, u in self.samples:
+            if window is None or window[0] <= t <= window[1]:
+                per[gpu].append(u)
         return {gpu: {"mean_pct": round(sum(v) / len(v), 1), "max_pct": max(v), "samples": len(v)}
-                for gpu, v in samples.items()}
+                for gpu, v in per.items() if v}
 
 
-def run_pipeline(engines: list[Engine], corpus: list[Segment], out_dir: Path, queue_size: int,
-                 upload_threads: int, fmt: str, timeout_s: float = 300.0, forced_lengths: bool = False) -> dict:
-    """The worker's real path (worker/pipeline.py) with a local folder for storage; one pipeline per engine
-    (per-gpu placement), segments dealt round-robin. Wall time from start until every segment is stored.
+def busy_pct(summary: dict | None) -> float | None:
+    """Mean utilisation of the first GPU (the one the engine runs on), or None without nvidia-smi."""
+    if not summary:
+        return None
+    return summary[sorted(summary)[0]]["mean_pct"]
 
-    `forced_lengths`: one task per segment whose max_tokens is the segment's planned speech tokens, for
-    an engine that reads the length from the request (the worker's CosyVoice2Engine; random weights
-    never stop). BenchEngine forces the lengths itself, in tasks of 16."""
+
+# Short names in --engine-runs / --worker-run specs -> Settings fields.
+RUN_KEYS = {"rows": "engine_max_batch", "flow": "engine_flow_batch", "task": "batch_size", "dtype": "llm_dtype",
+            "compile": "flow_compile", "inflight": "worker_inflight_segments", "upload": "upload_threads",
+            "format": "output_format"}
+
+
+def parse_run(spec: str) -> dict[str, str]:
+    """'rows=256,flow=64,task=16' -> {'rows': '256', ...}; unknown keys are an error."""
+    out = {}
+    for part in filter(None, spec.split(",")):
+        key, sep, value = part.partition("=")
+        if not sep or key not in RUN_KEYS:
+            raise SystemExit(f"bad run spec {spec!r}: use key=value pairs with keys {', '.join(RUN_KEYS)}")
+        out[key] = value
+    return out
+
+
+def commit() -> str:
+    """The commit measured: bench/COMMIT where a copy without git carries it, else git (+ '-dirty')."""
+    stamp = REPO / "bench" / "COMMIT"
+    if stamp.is_file():
+        return stamp.read_text().strip()
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+        return head + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def run_pipeline(engine: Engine, texts: list[str], storage_root: Path, settings: Settings, timeout_s: float = 600.0) -> dict:
+    """The worker's own path without the broker: Pipeline (engine -> bounded queue -> upload threads ->
+    a local folder), fed exactly as `voxbatch worker` feeds it: tasks of `settings.batch_size`
+    segments, `task_threads(settings)` of them at once, each holding its segments in the worker's
+    `SegmentBudget` (voxbatch/worker/budget.py). Wall time from the first task to the last segment stored."""
     from voxbatch.jobstate import MemoryJobStore
     from voxbatch.models import RenderTask, SynthesisParams, TaskSegment, segment_id
-    from voxbatch.settings import Settings
     from voxbatch.storage import LocalStorage
+    from voxbatch.worker.budget import SegmentBudget, inflight_segments, task_threads
     from voxbatch.worker.pipeline import Pipeline
 
-    settings = Settings(output_queue_size=queue_size, upload_threads=upload_threads, output_format=fmt, max_attempts=1)
-    storage = LocalStorage(out_dir)
+    fmt = settings.output_format
     jobs = MemoryJobStore()
     job = f"bench-{int(time.time() * 1000)}"
-    jobs.create(job, "bench", "bench", fmt, len(corpus), time.time())
-    segs = [TaskSegment(id=segment_id(0, i), chapter=0, text=s.text, seed=1000 + i)
-            for i, s in enumerate(corpus)]
+    jobs.create(job, "bench", "bench", fmt, len(texts), time.time())
+    segs = [TaskSegment(id=segment_id(0, i), chapter=0, text=t, seed=1000 + i)
+            for i, t in enumerate(texts)]
+    bs = settings.batch_size
+    tasks = iter([RenderTask(job_id=job, voice="bench", format=fmt, params=SynthesisParams(), reuse=False, segments=segs[k : k + bs])
+                  for k in range(0, len(segs), bs)])
     metrics = StoreTimes()
-    pipes, handles = [], []
-    for e_i, engine in enumerate(engines):
-        mine = segs[e_i :: len(engines)]
-        pipe = Pipeline(engine, storage, jobs, settings, on_job_complete=lambda _j: None, metrics=metrics)
-        per_task = 1 if forced_lengths else 16
-        for k in range(0, len(mine), per_task):
-            params = SynthesisParams(max_tokens=corpus[e_i + k * len(engines)].speech_tokens) if forced_lengths else SynthesisParams()
-            task = RenderTask(job_id=job, voice="bench", format=fmt, params=params, segments=mine[k : k + per_task])
-            handles.append(pipe.submit(task))  # fills the intake before the engine starts
-        pipes.append(pipe)
-    for e in engines:
-        for times in _stage_times(e):
-            times.clear()
-    with GpuUtilisation() as util:
-        t0 = time.perf_counter()
-        for p in pipes:
-            p.start()
-        deadline = t0 + timeout_s
-        for h in handles:
-            if not h.wait(max(0.0, deadline - time.perf_counter())):
-                for p in pipes:
-                    p.stop()
-                raise TimeoutError(f"pipeline: segments still unfinished after {timeout_s} s")
-        wall = time.perf_counter() - t0
-    for p in pipes:
-        p.stop()
-    audio_s = metrics.audio_s
+    pipe = Pipeline(engine, LocalStorage(storage_root), jobs, settings, on_job_complete=lambda _j: None, metrics=metrics).start()
+    budget, lock = SegmentBudget(inflight_segments(settings)), threading.Lock()
+
+    def task_thread() -> None:
+        while True:
+            with lock:
+                task = next(tasks, None)
+            if task is None:
+                return
+            with budget.hold(len(task.segments)):
+                pipe.submit(task).wait()
+
+    threads = [threading.Thread(target=task_thread, daemon=True) for _ in range(task_threads(settings))]
+    try:
+        with GpuUtilisation() as util:
+            t0 = time.perf_counter()
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(max(0.0, t0 + timeout_s - time.perf_counter()))
+            wall = time.perf_counter() - t0
+        if any(t.is_alive() for t in threads):
+            raise TimeoutError(f"pipeline: segments still unfinished after {timeout_s} s")
+    finally:
+        pipe.stop()
     status = jobs.status(job)
-    stage = defaultdict(float)
-    for e in engines:
-        for times in _stage_times(e):
-            for k, v in times.items():
-                stage[k] += v
+    busy = util.summary()
     return {
-        "segments": len(corpus),
-        "audio_s": round(audio_s, 1),
-        "audio_s_planned": round(sum(s.audio_s for s in corpus), 1),
+        "segments": len(texts),
+        "audio_s": round(metrics.audio_s, 1),
         "wall_s": round(wall, 3),
-        "x_realtime": round(audio_s / wall, 1),
-        "rtf": round(wall / audio_s, 5),
+        "x_realtime": round(metrics.audio_s / wall, 1),
+        "rtf": round(wall / max(metrics.audio_s, 1e-9), 5),
         "stored": metrics.stored,
         "failed": metrics.failed,
-        "engine_waited_on_full_queue_s": round(sum(p.engine_waited_s for p in pipes), 3),
-        "stage_s": {k: round(v, 3) for k, v in stage.items()},
+        "speech_tokens_per_s": round(metrics.audio_s * 25 / wall, 1),
+        "task_size": bs,
+        "task_threads": task_threads(settings),
+        "inflight_segments": inflight_segments(settings),
+        "engine_waited_on_full_queue_s": round(pipe.engine_waited_s, 3),
         "encode_and_write_s_summed_over_threads": round(metrics.store_s, 3),
         "job_state": getattr(status, "state", None),
-        "gpu_utilisation": util.summary(),
+        "gpu_utilisation": busy,
+        "gpu_busy_pct": busy_pct(busy),
     }
-
-
-def _stage_times(engine: Engine) -> list[dict[str, float]]:
-    """Per-stage timers a bench engine keeps (the worker's CosyVoice2Engine keeps none)."""
-    if isinstance(engine, BenchEngine):
-        return [engine.times, engine.renderer.times]
-    return []
 
 
 # -- stages ---------------------------------------------------------------------------------------------------
@@ -483,11 +390,11 @@ class Bench:
         self.compiled_flow_fn = None  # set by flow_hift with --flow-compile
         self.tmp = Path(tempfile.mkdtemp(prefix="vb-gpu-bench-"))
         self.model_dir = write_model_dir(self.tmp / "model", tiny=args.tiny, fixture_yaml=args.fixture_yaml)
+        self.storage_root = self.tmp / "storage"  # voices and rendered segments (file:// storage)
+        self._official: Path | None = None  # the official-layout model folder, written on first use
         dev = args.device
         self.llm_dev = dev
         self.flow_dev = dev
-        if args.placement == "split":
-            self.flow_dev = "cuda:1" if torch.cuda.device_count() > 1 else dev
         self.devices = sorted({self.llm_dev, self.flow_dev})
         low = torch.bfloat16 if dev.startswith("cuda") else torch.float32
         flow_low = torch.float16 if dev.startswith("cuda") else torch.float32
@@ -535,6 +442,7 @@ class Bench:
             return
         if self.elapsed() > self.args.budget_s:
             self.results["stages"][name] = {"skipped": f"time budget {self.args.budget_s}s spent"}
+            self.results["errors"][name] = f"skipped: time budget {self.args.budget_s}s spent"
             return
         print(f"== {name} (t={self.elapsed():.0f}s)", flush=True)
         reset_peak(self.devices)
@@ -602,28 +510,8 @@ class Bench:
             hres[name] = {"rel_l2": round(rel_err(wav, wav32), 5), "max_abs": round(float((wav - wav32).abs().max()), 4),
                           "ref_rms": round(float(wav32.pow(2).mean().sqrt()), 4)}
         out["hift_vs_fp32"] = hres
-        # The grouped decode attention computes the same function as the stock one.
-        out["grouped_decode_attention_max_abs_logp"] = self._grouped_check()
         out["note"] = "random weights: errors show precision loss of the arithmetic, not of speech quality"
         return out
-
-    @torch.inference_mode()
-    def _grouped_check(self) -> float:
-        b = TorchLlmBackend(self.llm, 4, self.max_seq, cuda_graphs=False, bucket_batches=False)
-        reqs = [llm_request(s.text, i, self.prompt, self.text_vocab, n_tokens=4) for i, s in enumerate(self.corpus[:4])]
-        rows = b._state(4)
-        rows.fill([0, 1, 2, 3], reqs)
-        tok = torch.tensor([5, 6, 7, 8], device=self.llm_dev)
-        pos = rows.lengths.clone()
-        stock = self.llm.decode_step(tok, pos, self.max_seq)
-        rows.fill([0, 1, 2, 3], reqs)
-        set_grouped_decode(self.llm, True)
-        try:
-            grouped = self.llm.decode_step(tok, pos, self.max_seq)
-        finally:
-            set_grouped_decode(self.llm, False)
-        b.close()
-        return round(float((stock - grouped).abs().max()), 5)
 
     # -- LLM ----------------------------------------------------------------------------------------------
 
@@ -649,37 +537,28 @@ class Bench:
         a = self.args
         out: dict = {"fixed_tokens": a.llm_tokens, "note": "B requests of fixed length decoded in B cache rows"}
         rows = []
-        main = ("graphs" if a.decode_attention == "stock" else "graphs+grouped-attn", a.decode_attention == "grouped")
-        other = ("graphs+grouped-attn", True) if a.decode_attention == "stock" else ("graphs", False)
-        for label, grouped in [main] + ([other] if a.ab_attention else []):
-            set_grouped_decode(self.llm, grouped)
-            for B in a.llm_batches:
-                if label != main[0] and B not in (1, max(a.llm_batches)):
-                    continue
-                reset_peak([self.llm_dev])
-                t = time.perf_counter()
-                backend = TorchLlmBackend(self.llm, B, self.max_seq, bucket_batches=False)
-                capture_s = time.perf_counter() - t
-                backend_warm = self._fixed_requests(min(B, 4), 8)
-                list(backend.generate(backend_warm))
-                r = self._measure(backend, self._fixed_requests(B, a.llm_tokens))
-                r.update(impl=label, batch=B, capture_s=round(capture_s, 2), peak_gpu_gib=peak_gib([self.llm_dev]))
-                rows.append(r)
-                print(f"  llm {label:20s} B={B:4d} {r['tokens_per_s']:10.1f} tok/s", flush=True)
-                backend.close()
-                del backend
-            set_grouped_decode(self.llm, False)
+        for B in a.llm_batches:
+            reset_peak([self.llm_dev])
+            t = time.perf_counter()
+            backend = TorchLlmBackend(self.llm, B, self.max_seq, bucket_batches=False)
+            capture_s = time.perf_counter() - t
+            list(backend.generate(self._fixed_requests(min(B, 4), 8)))
+            r = self._measure(backend, self._fixed_requests(B, a.llm_tokens))
+            r.update(impl="graphs", batch=B, capture_s=round(capture_s, 2), peak_gpu_gib=peak_gib([self.llm_dev]))
+            rows.append(r)
+            print(f"  llm graphs B={B:4d} {r['tokens_per_s']:10.1f} tok/s", flush=True)
+            backend.close()
+            del backend
         # Continuous batching over the whole mixed-length corpus, rows = the largest batch.
-        set_grouped_decode(self.llm, main[1])
         B = max(a.llm_batches)
         backend = TorchLlmBackend(self.llm, B, self.max_seq, bucket_batches=False)
         reqs = [llm_request(s.text, 1000 + i, self.prompt, self.text_vocab) for i, s in enumerate(self.corpus)]
         r = self._measure(backend, reqs)
-        r.update(impl=f"{main[0]}, continuous, corpus in given order", batch=B)
+        r.update(impl="graphs, continuous, corpus in given order", batch=B)
         rows.append(r)
+        self.results["llm_tokens_per_s_corpus"] = r["tokens_per_s"]
         print(f"  llm corpus continuous B={B} {r['tokens_per_s']:10.1f} tok/s", flush=True)
         backend.close()
-        set_grouped_decode(self.llm, False)
         out["rows"] = rows
         return out
 
@@ -791,118 +670,129 @@ class Bench:
         self.compiled_flow_fn = compiled  # e2e's compiled-flow run reuses it (no second compile)
         return res
 
-    # -- end to end ---------------------------------------------------------------------------------------------
+    # -- the shipped engine and the real worker -------------------------------------------------------------
 
-    def _engine(self, llm, flow, hift, flow_dev) -> BenchEngine:
-        backend = TorchLlmBackend(llm, self.args.e2e_rows, self.max_seq, bucket_batches=False)
-        return BenchEngine(backend, Renderer(flow, hift, self.prompt, flow_dev), self.prompt, self.text_vocab,
-                           max_batch=self.args.e2e_intake, flow_batch=self.args.e2e_flow_batch)
+    def official_dir(self) -> Path:
+        """The official-layout model folder and the stored voice, written once (worker and engine stages)."""
+        if self._official is None:
+            from voxbatch.storage import LocalStorage
+            from voxbatch.voice import VoiceProfile, save_voice
 
-    def _e2e(self, flow, hift, flow_dev: str, corpus: list[Segment], configs: list[tuple]) -> dict:
-        """configs: (label, output queue size, upload threads, overlap[, compiled flow])."""
+            t = time.perf_counter()
+            fixture = self.args.fixture_yaml.parent
+            self._official = write_official_model_dir(self.tmp / "official", tiny=self.args.tiny, fixture_dir=fixture)
+            save_voice(LocalStorage(self.storage_root), VoiceProfile(
+                name="bench", prompt_text=PROMPT_TRANSCRIPT, prompt_speech_tokens=np.array(self.prompt.speech_tokens, dtype=np.int32),
+                speaker_embedding=self.prompt.embedding.numpy().astype(np.float32), prompt_mel=self.prompt.mel.numpy().astype(np.float32)))
+            self.results["official_model_dir_s"] = round(time.perf_counter() - t, 1)
+        return self._official
+
+    def engine_env(self, run: dict[str, str]) -> dict[str, str]:
+        """VOXBATCH_* variables of one configuration: what the harness needs, plus the run's overrides."""
+        env = {"VOXBATCH_ENGINE": "cosyvoice2", "VOXBATCH_MODEL_DIR": str(self.official_dir()),
+               "VOXBATCH_STORAGE_URL": self.storage_root.resolve().as_uri(), "VOXBATCH_ENGINE_FORCED_LENGTHS": "true",
+               "VOXBATCH_MAX_ATTEMPTS": "1"}
+        if not self.llm_dev.startswith("cuda"):
+            env["VOXBATCH_LLM_DEVICE"] = "cpu"
+        for k, v in run.items():
+            env[f"VOXBATCH_{RUN_KEYS.get(k, k).upper()}"] = v
+        return env
+
+    def engine_stage(self) -> dict:
+        """The worker's CosyVoice2Engine, built from the official folder as a worker builds it
+        (`CosyVoice2Engine.from_settings`), through the worker's Pipeline, fed as a worker feeds it
+        (`run_pipeline`): one run per `--engine-runs` configuration, same texts, same process."""
+        from voxbatch.settings import Settings
+        from voxbatch.worker.cosyvoice2.engine import CosyVoice2Engine
+
+        texts = self.texts()
+        runs = {}
+        for spec in self.args.engine_runs:
+            env = self.engine_env(parse_run(spec))
+            settings = Settings(**{k[len("VOXBATCH_"):].lower(): v for k, v in env.items()})
+            t = time.perf_counter()
+            engine = CosyVoice2Engine.from_settings(settings)
+            engine.warmup()
+            start_s = time.perf_counter() - t
+            try:
+                run_pipeline(engine, texts[: min(len(texts), 2 * settings.batch_size)], self.storage_root, settings)
+                reset_peak(self.devices)
+                r = run_pipeline(engine, texts, self.storage_root, settings)
+                r.update(config=spec, env={k: v for k, v in env.items() if k not in ("VOXBATCH_MODEL_DIR", "VOXBATCH_STORAGE_URL")},
+                         start_and_warmup_s=round(start_s, 1), peak_gpu_gib=peak_gib(self.devices))
+                runs[spec] = r
+                print(f"  engine {spec}: {r['x_realtime']:.1f}x realtime, wall {r['wall_s']}s, GPU busy {r['gpu_busy_pct']}%, "
+                      f"stored {r['stored']}, failed {r['failed']}", flush=True)
+                if r["failed"]:
+                    raise RuntimeError(f"engine run {spec}: {r['failed']} segments failed")
+            finally:
+                close = getattr(engine.llm, "close", None)
+                if close is not None:
+                    close()
+                del engine
+                gc.collect()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+        return {"runs": runs, "texts": "the bench corpus, one segment per sentence",
+                "note": "voxbatch/worker/cosyvoice2/engine.py CosyVoice2Engine.serve (streaming scheduler) through "
+                        "voxbatch/worker/pipeline.py, tasks fed as voxbatch worker feeds them (budget.py)"}
+
+    def texts(self) -> list[str]:
+        """The segment texts the engine renders: the bench corpus, one segment per sentence."""
+        return [s.text for s in self.corpus]
+
+    def worker_stage(self) -> dict:
+        """`voxbatch worker` (its own process, Celery threads pool) fed by `voxbatch submit` through a
+        redis-server on this machine, storage in a local folder. One worker; after a small warm job,
+        one job per `--worker-task-sizes` entry (the producer's batch_size): the first is the figure."""
+        from bench.worker_run import WorkerHarness
+
         a = self.args
-        set_grouped_decode(self.llm, a.decode_attention == "grouped")
-        engine = self._engine(self.llm, flow, hift, flow_dev)
+        t = time.perf_counter()
+        env = self.engine_env(parse_run(a.worker_run))
+        print(f"  official model folder written in {time.perf_counter() - t:.1f}s", flush=True)
+        corpus = self.tmp / "corpus.txt"
+        corpus.write_text("\n\n".join(s.text for s in self.corpus) + "\n", encoding="utf-8")
+        warm = self.tmp / "warm.txt"
+        warm.write_text("\n\n".join(s.text for s in self.corpus[:32]) + "\n", encoding="utf-8")
+        harness = WorkerHarness(self.tmp, env, a.redis_server)
         runs = {}
         try:
-            run_pipeline([engine], corpus[: min(8, len(corpus))], self.tmp / "warm", 64, 4, a.format)
-            for label, qsize, threads, overlap, *compiled in configs:
-                engine.overlap = overlap
-                flow.decoder.compiled_estimator = self.compiled_flow_fn if compiled and compiled[0] else None
-                reset_peak(sorted({self.llm_dev, flow_dev}))
-                r = run_pipeline([engine], corpus, self.tmp / f"out-{label}", qsize, threads, a.format)
-                r.update(output_queue_size=qsize, upload_threads=threads, format=a.format, overlap_llm_and_flow=overlap,
-                         llm_device=self.llm_dev, flow_device=flow_dev, peak_gpu_gib=peak_gib(sorted({self.llm_dev, flow_dev})))
-                if compiled and compiled[0]:
-                    r["dynamo_unique_graphs"] = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
-                runs[label] = r
-                print(f"  e2e {label}: {r['x_realtime']:.1f}x realtime (RTF {r['rtf']}), wall {r['wall_s']}s, "
-                      f"stages {r['stage_s']}, engine blocked {r['engine_waited_on_full_queue_s']}s", flush=True)
+            ready_s = harness.start_worker("0" if self.llm_dev.startswith("cuda") else None)
+            print(f"  worker ready after {ready_s:.1f}s", flush=True)
+            t = time.perf_counter()
+            job = harness.submit(warm, "bench", a.worker_task_sizes[0], self.official_dir())
+            print(f"  warm job {job} submitted in {time.perf_counter() - t:.1f}s", flush=True)
+            harness.wait(job, min(a.worker_timeout_s, 180))
+            print(f"  warm job done after {time.perf_counter() - t:.1f}s", flush=True)
+            for size in a.worker_task_sizes:
+                with GpuUtilisation() as util:
+                    t0 = time.time()
+                    job = harness.submit(corpus, "bench", size, self.official_dir())
+                    res = harness.wait(job, a.worker_timeout_s)
+                    t1 = time.time()
+                wall = res["finished_at"] - res["created_at"]
+                busy = util.summary(window=(res["created_at"], res["finished_at"]))
+                res.update(task_size=size, wall_s=round(wall, 3), x_realtime=round(res["audio_s"] / wall, 1),
+                           submit_to_done_s=round(t1 - t0, 3), x_realtime_incl_submit=round(res["audio_s"] / (t1 - t0), 1),
+                           gpu_utilisation=busy, gpu_busy_pct=busy_pct(busy))
+                runs[f"tasks_of_{size}"] = res
+                print(f"  worker tasks of {size}: {res['x_realtime']:.1f}x realtime, wall {wall:.1f}s, "
+                      f"GPU busy {res['gpu_busy_pct']}%, done {res['done']}, failed {res['failed']}", flush=True)
+                if res["failed"]:
+                    raise RuntimeError(f"worker run with tasks of {size}: {res['failed']} segments failed: {res['errors']}")
         finally:
-            engine.llm.close()
-            set_grouped_decode(self.llm, False)
-        hift_dtype = str(hift.conv_pre.weight.dtype)
-        return {"runs": runs, "engine": {"llm_rows": a.e2e_rows, "intake_batch": a.e2e_intake, "flow_batch": a.e2e_flow_batch,
-                                         "llm": f"torch-graphs bf16, {a.decode_attention} decode attention", "flow": str(flow.dtype), "hift": hift_dtype,
-                                         "request_order": "longest text first"}}
+            harness.close()
+            if harness.log.exists():
+                a.out.mkdir(parents=True, exist_ok=True)
+                shutil.copy(harness.log, a.out / f"{a.name}_worker.log")
+        first = runs[f"tasks_of_{a.worker_task_sizes[0]}"]
+        for k, r in runs.items():
+            r["of_first_pct"] = round(100 * r["x_realtime"] / first["x_realtime"], 1)
+        return {"runs": runs, "worker_ready_s": round(ready_s, 1),
+                "env": {k: v for k, v in env.items() if k not in ("VOXBATCH_MODEL_DIR", "VOXBATCH_STORAGE_URL")},
+                "note": "voxbatch worker process + voxbatch submit + redis-server; wall = job created -> last segment stored (Redis times)"}
 
-    def e2e_stage(self) -> dict:
-        a = self.args
-        return self._e2e(self.flow, self.hift, self.flow_dev, self.corpus,
-                         [("double_buffer_on", 64, a.upload_threads, a.overlap), ("double_buffer_off", 1, 1, a.overlap)]
-                         + ([("double_buffer_on_sequential", 64, a.upload_threads, False)] if a.overlap else [])
-                         + ([("double_buffer_on_sequential_flow_compiled", 64, a.upload_threads, False, True)]
-                            if self.compiled_flow_fn is not None else []))
-
-    def e2e_engine_stage(self) -> dict:
-        """The worker's own CosyVoice2Engine (worker/cosyvoice2/engine.py: tokenizer, LLM request
-        composition, its scheduler and flow buckets, voice preparation) on the benchmark's modules,
-        through the same pipeline: what `voxbatch worker` does on this GPU, against BenchEngine's
-        longest-first scheduling above. Each segment is one task with max_tokens = its planned speech
-        tokens (random weights never stop); the intake holds `--e2e-intake` segments, as a worker
-        holds task_concurrency x batch_size."""
-        from voxbatch.voice import VoiceProfile
-        from voxbatch.worker.cosyvoice2.engine import CosyVoice2Engine
-        from voxbatch.tokenizer import CosyVoice2Tokenizer
-
-        a = self.args
-        tokenizer = CosyVoice2Tokenizer.from_model_dir(self.model_dir)
-        profile = VoiceProfile(
-            name="bench", prompt_text=PROMPT_TRANSCRIPT, prompt_speech_tokens=np.array(self.prompt.speech_tokens),
-            speaker_embedding=self.prompt.embedding.numpy(), prompt_mel=self.prompt.mel.numpy(),
-        )
-        runs = {}
-        for rows in sorted(set(a.engine_rows), reverse=True):
-            backend = TorchLlmBackend(self.llm, rows, self.max_seq)
-            engine = CosyVoice2Engine(tokenizer, backend, self.flow, self.hift, lambda _name: profile,
-                                      self.speech_vocab, max_batch=rows, flow_batch=a.e2e_flow_batch)
-            try:
-                engine.warmup()
-                run_pipeline([engine], self.corpus[:8], self.tmp / f"warm-engine-{rows}", 64, 4, a.format, forced_lengths=True)
-                for label, compiled in [("eager_flow", False)] + ([("compiled_flow", True)] if self.compiled_flow_fn else []):
-                    self.flow.decoder.compiled_estimator = self.compiled_flow_fn if compiled else None
-                    reset_peak(sorted({self.llm_dev, self.flow_dev}))
-                    r = run_pipeline([engine], self.corpus, self.tmp / f"out-engine-{rows}-{label}", 64, a.upload_threads,
-                                     a.format, forced_lengths=True)
-                    r.update(llm_rows=rows, engine_max_batch=rows, flow_batch=a.e2e_flow_batch, flow_compiled=compiled,
-                             output_queue_size=64, upload_threads=a.upload_threads, peak_gpu_gib=peak_gib(sorted({self.llm_dev, self.flow_dev})))
-                    runs[f"worker_engine_rows{rows}_{label}"] = r
-                    print(f"  e2e worker engine rows={rows} {label}: {r['x_realtime']:.1f}x realtime (RTF {r['rtf']}), "
-                          f"wall {r['wall_s']}s, stored {r['stored']}, failed {r['failed']}", flush=True)
-            finally:
-                self.flow.decoder.compiled_estimator = None
-                backend.close()
-        return {"runs": runs, "note": "worker/cosyvoice2/engine.py CosyVoice2Engine, torch LLM backend (CUDA graphs), "
-                                      "one task per segment, intake = LLM rows"}
-
-    def e2e_split_stage(self) -> dict:
-        """Issue 7's split placement: LLM on the first GPU, flow + HiFT on the second. With one GPU both sit
-        on it, which checks the code path only (no speed claim)."""
-        dev = "cuda:1" if torch.cuda.device_count() > 1 else self.llm_dev
-        if dev == self.flow_dev:
-            flow, hift = self.flow, self.hift
-        else:
-            flow, hift = build_flow(self.model_dir, dev, torch.float16), build_hift(self.model_dir, dev, self.hift_low)
-        out = self._e2e(flow, hift, dev, self.corpus[: self.args.split_segments], [("split", 64, self.args.upload_threads, self.args.overlap)])
-        out["note"] = ("two GPUs: a real split" if dev != self.llm_dev
-                       else "one GPU: LLM and flow/HiFT both on it; checks the split code path only, no speed claim")
-        return out
-
-    def per_gpu_stage(self) -> dict:
-        n = torch.cuda.device_count()
-        if n < 2:
-            return {"not_run": f"per-gpu placement needs 2+ GPUs; this machine has {n}"}
-        engines = []
-        for i in range(n):
-            dev = f"cuda:{i}"
-            llm = build_llm(self.model_dir, dev, torch.bfloat16)
-            set_grouped_decode(llm, self.args.decode_attention == "grouped")
-            engines.append(self._engine(llm, build_flow(self.model_dir, dev, torch.float16),
-                                        build_hift(self.model_dir, dev, self.hift_low), dev))
-        run_pipeline(engines, self.corpus[: 8 * n], self.tmp / "warm-pg", 64, 4, self.args.format)
-        r = run_pipeline(engines, self.corpus, self.tmp / "out-pg", 64, self.args.upload_threads, self.args.format)
-        r.update(gpus=n, mode="one engine per GPU, threads in one process")
-        return {"runs": {"per_gpu": r}}
 
     # -- baseline -----------------------------------------------------------------------------------------------
 
@@ -976,24 +866,21 @@ class Bench:
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
         out = {}
         B = max(self.args.llm_batches)
-        for label, grouped in (("decode_step_stock_attn", False), ("decode_step_grouped_attn", True)):
-            set_grouped_decode(self.llm, grouped)
-            backend = TorchLlmBackend(self.llm, B, self.max_seq, cuda_graphs=False, bucket_batches=False)
-            reqs = self._fixed_requests(B, 40)
-            with torch.inference_mode():
-                rows = backend._state(B)
-                rows.fill(list(range(B)), reqs)
-                w = min(512, self.max_seq)
-                for _ in range(3):
+        backend = TorchLlmBackend(self.llm, B, self.max_seq, cuda_graphs=False, bucket_batches=False)
+        reqs = self._fixed_requests(B, 40)
+        with torch.inference_mode():
+            rows = backend._state(B)
+            rows.fill(list(range(B)), reqs)
+            w = min(512, self.max_seq)
+            for _ in range(3):
+                rows.step(w)
+            sync()
+            with profile(activities=acts) as prof:
+                for _ in range(5):
                     rows.step(w)
                 sync()
-                with profile(activities=acts) as prof:
-                    for _ in range(5):
-                        rows.step(w)
-                    sync()
-            out[label] = self._top(prof, f"{label} B={B} kv=512, 5 steps eager")
-            backend.close()
-            set_grouped_decode(self.llm, False)
+        out["decode_step"] = self._top(prof, f"decode step B={B} kv=512, 5 steps eager")
+        backend.close()
         fb = max(self.args.flow_batches)
         by_len = sorted(self.corpus, key=lambda s: s.speech_tokens)
         chunk = by_len[len(by_len) // 2 : len(by_len) // 2 + fb]
@@ -1042,7 +929,7 @@ def table(results: dict) -> str:
     env = results["environment"]
     lines = [f"# GPU engine benchmark ({results['when']})", "",
              f"GPU {', '.join(env['gpus']) or 'none'}; torch {env['torch']} (CUDA {env['cuda_runtime']}); vLLM {env.get('vllm')}; "
-             f"placement {results['settings']['placement']}; model: CosyVoice2-0.5B sizes, random weights", ""]
+             f"commit {results.get('commit')}; model: CosyVoice2-0.5B sizes, random weights", ""]
     c = results.get("corpus", {})
     if c:
         lines += [f"corpus: {c['segments']} segments ({c['zh']} zh, {c['en']} en), {c['audio_s_total']} s of audio "
@@ -1068,32 +955,29 @@ def table(results: dict) -> str:
                          f"(speed-up {comp['speedup']}); compile {comp['compile_s']} s; mel vs eager max abs {comp['mel_max_abs_vs_eager']:.2e}, "
                          f"rel L2 {comp['mel_rel_l2_vs_eager']:.2e}")
         lines.append("")
-    e2e = dict(st.get("e2e", {}).get("runs", {}))
-    e2e.update(st.get("e2e_engine", {}).get("runs", {}))
-    e2e.update(st.get("e2e_split", {}).get("runs", {}))
-    e2e.update(st.get("per_gpu", {}).get("runs", {}))
+    h = results.get("headline")
+    if h:
+        lines += ["## Headline", "", "| path | x real time | baseline x real time | ratio | GPU busy % | segments | LLM tokens/s (corpus) | GPU | commit |",
+                  "|---|---|---|---|---|---|---|---|---|",
+                  f"| {h['path']} | {h['x_realtime']} | {h['baseline_x_realtime']} | "
+                  f"{round(h['x_realtime'] / h['baseline_x_realtime'], 1) if h['x_realtime'] and h['baseline_x_realtime'] else '-'} | "
+                  f"{h['gpu_busy_pct']} | {h['segments']} | {h['llm_tokens_per_s_corpus']} | {h['gpu']} | {h['commit']} |", ""]
+    wk = st.get("worker", {}).get("runs", {})
+    en = st.get("engine", {}).get("runs", {})
     base = st.get("baseline")
-    if e2e or base:
-        lines += ["## End to end (engine -> bounded queue -> encode + write)", "",
-                  "| run | segments | audio s | wall s | x real time | RTF | LLM s | flow s | HiFT s | encode+write s (all threads) | engine blocked s | peak GiB | GPU util % (mean per device) |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for k, r in e2e.items():
-            s = r["stage_s"]
-            ov = "LLM || flow/HiFT" if r.get("overlap_llm_and_flow") else "sequential"
-            lines.append(f"| {k} (queue {r.get('output_queue_size')}, {r.get('upload_threads')} upload threads, {ov}) | {r['segments']} | {r['audio_s']} | {r['wall_s']} | "
-                         f"{r['x_realtime']} | {r['rtf']} | {s.get('llm', 0)} | {s.get('flow', 0)} | {s.get('hift', 0)} | "
-                         f"{r['encode_and_write_s_summed_over_threads']} | {r['engine_waited_on_full_queue_s']} | {r.get('peak_gpu_gib', '')} | "
-                         f"{_util(r.get('gpu_utilisation'))} |")
+    if wk or en or base:
+        lines += ["## End to end", "",
+                  "| path | run | segments | audio s | wall s | x real time | GPU busy % | failed |", "|---|---|---|---|---|---|---|---|"]
+        for k, r in wk.items():
+            lines.append(f"| voxbatch worker (Celery + Redis + submit) | {k} ({r.get('of_first_pct')}% of the first) | {r['segments']} | "
+                         f"{r['audio_s']} | {r['wall_s']} | {r['x_realtime']} | {r.get('gpu_busy_pct')} | {r['failed']} |")
+        for k, r in en.items():
+            lines.append(f"| engine through the Pipeline (no broker) | {k} | {r['segments']} | {r['audio_s']} | {r['wall_s']} | "
+                         f"{r['x_realtime']} | {r.get('gpu_busy_pct')} | {r['failed']} |")
         if base and "wall_s" in base:
-            lines.append(f"| baseline: one at a time, LLM fp32 step loop, flow fp16 autocast, HiFT fp32 | {base['segments']} | {base['audio_s']} | "
-                         f"{base['wall_s']} | {base['x_realtime']} | {base['rtf']} | {base['llm_s']} | {base['flow_s']} | {base['hift_s']} | - | - | {base.get('peak_gpu_gib')} | - |")
-        on = e2e.get("double_buffer_on")
-        if on and base and "x_realtime" in base:
-            lines.append(f"\nbatched (double buffer on) vs baseline: {on['x_realtime'] / base['x_realtime']:.1f}x faster")
+            lines.append(f"| baseline: one at a time, LLM fp32 step loop, flow fp16 autocast, HiFT fp32 | - | {base['segments']} | "
+                         f"{base['audio_s']} | {base['wall_s']} | {base['x_realtime']} | - | - |")
         lines.append("")
-    pg = st.get("per_gpu", {})
-    if "not_run" in pg:
-        lines.append(f"per-gpu placement: not run ({pg['not_run']})\n")
     acc = st.get("accuracy")
     if acc:
         lines += ["## Precision vs fp32 (same inputs)", "", "```", json.dumps({k: v for k, v in acc.items() if k not in ("peak_gpu_gib", "stage_wall_s")}, indent=1), "```", ""]
@@ -1102,36 +986,47 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
+STAGES = ("accuracy", "llm", "flow_hift", "engine", "worker", "baseline", "profile", "vllm")
+
+
+def headline(r: dict) -> dict:
+    """The one figure a result file stands for: the real worker if it ran, else the engine, else the baseline."""
+    st = r["stages"]
+    base = st.get("baseline", {}).get("x_realtime")
+    worker = next(iter(st.get("worker", {}).get("runs", {}).values()), None)
+    engine = next(iter(st.get("engine", {}).get("runs", {}).values()), None)
+    path, run = ("worker", worker) if worker else ("engine", engine) if engine else ("baseline", st.get("baseline"))
+    run = run or {}
+    tokens = r.get("llm_tokens_per_s_corpus")
+    return {"path": path, "x_realtime": run.get("x_realtime"), "baseline_x_realtime": base,
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "commit": r["commit"],
+            "segments": run.get("segments"), "llm_tokens_per_s_corpus": tokens, "gpu_busy_pct": run.get("gpu_busy_pct")}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--placement", choices=["single", "split", "per-gpu"], default="single")
-    ap.add_argument("--stages", nargs="+", default=["accuracy", "llm", "flow_hift", "e2e", "e2e_engine", "e2e_split", "baseline", "profile", "vllm"])
+    ap.add_argument("--stages", nargs="+", default=list(STAGES), help=f"any of {', '.join(STAGES)}")
     ap.add_argument("--segments", type=int, default=500)
     ap.add_argument("--max-s", type=float, default=15.0, help="longest segment, seconds of audio")
     ap.add_argument("--llm-batches", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256])
     ap.add_argument("--llm-tokens", type=int, default=250, help="fixed output length in the batch sweep (10 s of audio)")
-    ap.add_argument("--ab-attention", action="store_true", help="also sweep the other decode attention (batch 1 and the largest)")
     ap.add_argument("--flow-batches", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--flow-batches-per-size", type=int, default=2)
     ap.add_argument("--flow-min-segments", type=int, default=16)
     ap.add_argument("--hift-dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
-                    help="HiFT generator dtype (F0 and source stay fp32); bf16 measured no faster on the H200")
-    ap.add_argument("--decode-attention", choices=["stock", "grouped"], default="stock",
-                    help="e2e decode attention: stock SDPA with GQA (cuDNN) or query heads grouped per KV head")
-    ap.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
-                    help="e2e: flow/HiFT in a second thread on its own CUDA stream while the LLM decodes")
-    ap.add_argument("--flow-compile", action="store_true",
-                    help="flow_hift: also run the estimator through torch.compile (A/B vs eager); e2e then adds a compiled-flow run")
-    ap.add_argument("--e2e-rows", type=int, default=256, help="LLM cache rows in the engine")
-    ap.add_argument("--engine-rows", type=int, nargs="+", default=[256, 64],
-                    help="e2e_engine: LLM rows (= segments the worker's engine holds) to run")
-    ap.add_argument("--e2e-intake", type=int, default=512, help="segments the engine takes from its intake at once")
-    ap.add_argument("--e2e-flow-batch", type=int, default=64)
-    ap.add_argument("--upload-threads", type=int, default=8)
-    ap.add_argument("--format", default="flac", choices=["wav", "flac", "ogg"])
+                    help="flow_hift: HiFT generator dtype (F0 and source stay fp32)")
+    ap.add_argument("--flow-compile", action="store_true", help="flow_hift: also run the estimator through torch.compile (A/B vs eager)")
+    ap.add_argument("--worker-run", default="rows=256,flow=64,task=16",
+                    help="worker stage: VOXBATCH_* settings of the worker process, as key=value (keys: %s)" % ", ".join(RUN_KEYS))
+    ap.add_argument("--worker-task-sizes", type=int, nargs="+", default=[16, 64],
+                    help="worker stage: one job per task size (the producer's batch_size); the first is the figure")
+    ap.add_argument("--worker-timeout-s", type=float, default=300.0)
+    ap.add_argument("--redis-server", default=None, help="redis-server binary for the worker stage (default: PATH)")
+    ap.add_argument("--engine-runs", nargs="+", default=["rows=256,flow=64,task=16"],
+                    help="engine stage: one run per configuration (same keys as --worker-run)")
+    ap.add_argument("--format", default="wav", choices=["wav", "flac", "ogg"])
     ap.add_argument("--baseline-segments", type=int, default=10)
-    ap.add_argument("--split-segments", type=int, default=64)
     ap.add_argument("--vllm-mem", type=float, default=0.3)
     ap.add_argument("--budget-s", type=float, default=520, help="skip stages that would start after this many seconds")
     ap.add_argument("--tiny", action="store_true", help="the test fixture's sizes (CPU smoke run)")
@@ -1139,35 +1034,32 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     ap.add_argument("--name", default="gpu_engine")
     args = ap.parse_args()
-    if args.placement == "per-gpu":
-        args.stages = [s if s != "e2e" else "per_gpu" for s in args.stages]
+    unknown = [s for s in args.stages if s not in STAGES]
+    if unknown:
+        ap.error(f"unknown stage(s) {', '.join(unknown)}; stages are {', '.join(STAGES)}")
+    for spec in args.engine_runs + [args.worker_run]:
+        parse_run(spec)
 
     torch.manual_seed(0)
     bench = Bench(args)
     r = bench.results
     r["when"] = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    r["commit"] = commit()
     r["environment"] = environment(args)
     r["settings"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     r["command"] = "python -m bench.gpu_engine " + " ".join(sys.argv[1:])
     print(json.dumps({"corpus": r["corpus"], "model": r["model"]}, indent=1), flush=True)
-    bench.stage("accuracy", bench.accuracy)
-    bench.stage("llm", bench.llm_stage)
-    bench.stage("flow_hift", bench.flow_hift_stage)
-    bench.stage("e2e", bench.e2e_stage)
-    bench.stage("e2e_engine", bench.e2e_engine_stage)
-    bench.stage("e2e_split", bench.e2e_split_stage)
-    bench.stage("per_gpu", bench.per_gpu_stage)
-    bench.stage("baseline", bench.baseline_stage)
-    bench.stage("profile", bench.profile_stage)
-    bench.stage("vllm", bench.vllm_stage)
-    if args.placement != "per-gpu":
-        r["stages"]["per_gpu"] = {"not_run": "placement per-gpu not selected" if torch.cuda.device_count() > 1
-                                  else f"per-gpu placement needs 2+ GPUs; this machine has {torch.cuda.device_count()}"}
+    for name in dict.fromkeys(args.stages):  # in the order given
+        bench.stage(name, getattr(bench, f"{name}_stage" if name != "accuracy" else "accuracy"))
     r["total_wall_s"] = round(bench.elapsed(), 1)
+    r["headline"] = headline(r)
     bench.save()
     text = table(r)
     (args.out / f"{args.name}.md").write_text(text + "\n")
     print("\n" + text, flush=True)
+    if r["errors"]:
+        print(f"stages failed: {', '.join(r['errors'])}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from voxbatch.worker.cosyvoice2.checkpoint import read_config
+from voxbatch.worker.cosyvoice2.forced_lengths import EN_WORDS_PER_S, TOKENS_PER_S, ZH_CHARS_PER_S, cjk_chars, forced_speech_tokens
 from voxbatch.worker.cosyvoice2.flow import CausalFlow, FlowDims, fixed_noise
 from voxbatch.worker.cosyvoice2.hift import FP32_MODULES, HiFTGenerator, HiftDims
 from voxbatch.worker.cosyvoice2.llm import QWEN_DIR, CosyVoice2LM, LlmDims
@@ -28,10 +29,7 @@ from voxbatch.worker.cosyvoice2.llm import QWEN_DIR, CosyVoice2LM, LlmDims
 HERE = Path(__file__).resolve().parent
 FULL_YAML = HERE / "cosyvoice2_full.yaml"
 
-TOKENS_PER_S = 25  # speech tokens per second of audio
 MEL_PER_S = 50  # mel frames per second
-ZH_CHARS_PER_S = 4.5
-EN_WORDS_PER_S = 2.6
 ZH_CHARS_PER_TEXT_TOKEN = 1.4  # Qwen2 BPE on Chinese prose
 EN_TEXT_TOKENS_PER_WORD = 1.3
 PROMPT_S = 8.0  # the voice prompt: 200 speech tokens, 400 mel frames
@@ -71,6 +69,20 @@ def save_llm(model: CosyVoice2LM, model_dir: Path) -> None:
     """`llm.pt` in the official layout (the vLLM backend exports from it), bf16 to halve the bytes."""
     state = {k: v.detach().to("cpu", torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
     torch.save(state, model_dir / "llm.pt")
+
+
+def write_official_model_dir(root: Path, tiny: bool = False, fixture_dir: Path | None = None) -> Path:
+    """A complete official-layout folder a `voxbatch worker` loads: the yaml and tokenizer of
+    `write_model_dir`, llm.pt / flow.pt / hift.pt with the same random weights `build_*` make (same
+    seeds), and the fixture's small ONNX files standing in for the voice front end (never run here)."""
+    write_model_dir(root, tiny=tiny, fixture_yaml=(fixture_dir / "cosyvoice2.yaml") if fixture_dir else None)
+    save_llm(build_llm(root, "cpu", torch.float32), root)
+    torch.save({k: v.contiguous() for k, v in build_flow(root, "cpu", torch.float32).state_dict().items()}, root / "flow.pt")
+    torch.save({k: v.contiguous() for k, v in build_hift(root, "cpu", torch.float32).state_dict().items()}, root / "hift.pt")
+    for name in ("campplus.onnx", "speech_tokenizer_v2.onnx"):
+        if fixture_dir is not None and (fixture_dir / name).is_file():
+            shutil.copy(fixture_dir / name, root / name)
+    return root
 
 
 @torch.no_grad()
@@ -159,11 +171,10 @@ class Segment:
 
 def plan_text(text: str) -> tuple[str, int, int]:
     """(lang, speech tokens, text tokens) from a segment's text: how long real speech of it would be."""
-    cjk = sum(1 for c in text if "\u4e00" <= c <= "\u9fff")
-    if cjk:
-        return "zh", max(1, round(cjk / ZH_CHARS_PER_S * TOKENS_PER_S)), max(1, math.ceil(len(text) / ZH_CHARS_PER_TEXT_TOKEN))
-    words = len(text.split())
-    return "en", max(1, round(words / EN_WORDS_PER_S * TOKENS_PER_S)), max(1, math.ceil(words * EN_TEXT_TOKENS_PER_WORD) + 1)
+    speech = forced_speech_tokens(text)
+    if cjk_chars(text):
+        return "zh", speech, max(1, math.ceil(len(text) / ZH_CHARS_PER_TEXT_TOKEN))
+    return "en", speech, max(1, math.ceil(len(text.split()) * EN_TEXT_TOKENS_PER_WORD) + 1)
 
 
 def text_token_ids(text: str, n: int, vocab: int) -> list[int]:

@@ -77,12 +77,19 @@ class Settings(BaseSettings):
     # and 165x vs 152x with the bench's engine on an H200, but no gain through the worker's engine
     # (157x vs 158x: its GPU has idle gaps the flow does not fill), for ~2.5 min more warm-up.
     flow_compile: bool = False
+    # Benchmark only: every segment decodes exactly as many speech tokens as real speech of its text
+    # would (forced_lengths.py), because random-weight models never stop. Changes nothing else.
+    engine_forced_lengths: bool = False
 
     # The double buffer: bounded queue between the engine and the upload threads.
     output_queue_size: int = Field(64, ge=1)
     upload_threads: int = Field(4, ge=1, le=256)
     # Render tasks a worker process runs at once (Celery thread pool); they feed one engine intake.
-    task_concurrency: int = Field(4, ge=1)
+    # None: enough tasks of batch_size to hold worker_inflight_segments (voxbatch/worker/budget.py).
+    task_concurrency: int | None = Field(None, ge=1)
+    # Segments a worker process holds in flight, whatever its tasks' size; None: 2 x engine_max_batch
+    # (the engine refills LLM rows from the rest as sequences finish).
+    worker_inflight_segments: int | None = Field(None, ge=1)
 
     # Failure handling: a segment is retried this many times in all before it is recorded failed.
     # Only errors of the segment itself (the engine failed on it) count; outages never do.
@@ -103,7 +110,7 @@ class Settings(BaseSettings):
     # Broker visibility timeout: a task held this long without a heartbeat goes back to the queue.
     # Workers refresh their running tasks every `task_heartbeat_s`, so it bounds how long a dead
     # worker's tasks wait, not how long a task may run.
-    visibility_timeout_s: int = Field(120, ge=10)
+    visibility_timeout_s: int = Field(60, ge=10)
     # How often a worker marks the tasks it is running as alive (well under the visibility timeout).
     task_heartbeat_s: float = Field(10.0, gt=0)
     # The sweeper (in `voxbatch assembler`): how often it looks for segments that are neither done,

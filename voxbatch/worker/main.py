@@ -73,6 +73,7 @@ def _heartbeat(jobs: RedisJobStore, pipeline, name: str, queues: str, every_s: f
 
 def serve(gpu: str | None, concurrency: int | None, queues: str | None, hostname: str | None) -> None:
     from voxbatch.worker import tasks
+    from voxbatch.worker.budget import task_threads
     from voxbatch.worker.engine import build_engine
     from voxbatch.worker.pipeline import Pipeline
 
@@ -99,7 +100,7 @@ def serve(gpu: str | None, concurrency: int | None, queues: str | None, hostname
     _heartbeat(jobs, pipeline, f"{name}/{os.getpid()}", queues or settings.render_queue, settings.worker_heartbeat_s)
     try:
         app.worker_main([
-            "worker", "--pool", "threads", "--concurrency", str(concurrency or settings.task_concurrency),
+            "worker", "--pool", "threads", "--concurrency", str(concurrency or task_threads(settings)),
             "--queues", queues or settings.render_queue, "--hostname", name,
             "--without-gossip", "--without-mingle", "--loglevel", "INFO",
         ])

@@ -10,25 +10,29 @@ A message that is not a render task of a job this worker can read is logged once
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 
 from celery.exceptions import Reject
 
 from voxbatch.celery_app import RENDER_TASK, app
 from voxbatch.outage import Stopped
 from voxbatch.worker import messages
+from voxbatch.worker.budget import SegmentBudget, inflight_segments
 from voxbatch.worker.pipeline import Pipeline, TaskAbandoned
 
 log = logging.getLogger(__name__)
 
 _pipeline: Pipeline | None = None
 _specs: messages.SpecCache | None = None
+_budget: SegmentBudget | None = None  # segments in flight, whatever the tasks' size (budget.py)
 
 
 def install(pipeline: Pipeline) -> None:
     """Called once by the worker process after the engine is warm, before it consumes tasks."""
-    global _pipeline, _specs
+    global _pipeline, _specs, _budget
     _pipeline = pipeline
     _specs = messages.SpecCache(pipeline.storage)
+    _budget = SegmentBudget(inflight_segments(pipeline.settings))
 
 
 def _fail_job(job_id: str, reason: str) -> None:
@@ -61,7 +65,8 @@ def render(self, *args, **kwargs) -> dict:
     except Stopped as e:  # shut down while waiting for storage: hand the message back
         raise Reject("worker shutting down", requeue=True) from e
     try:
-        _pipeline.submit(task).wait()
+        with _budget.hold(len(task.segments)) if _budget is not None else nullcontext():
+            _pipeline.submit(task).wait()
     except TaskAbandoned as e:
         raise Reject(str(e), requeue=True) from e
     return {"job": task.job_id, "segments": len(task.segments)}

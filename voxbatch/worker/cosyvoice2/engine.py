@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import queue
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -34,11 +36,13 @@ from voxbatch.models import SynthesisParams
 from voxbatch.settings import Settings
 from voxbatch.voice import VoiceProfile
 from voxbatch.worker.cosyvoice2.flow import CausalFlow
+from voxbatch.worker.cosyvoice2.forced_lengths import forced_speech_tokens
 from voxbatch.worker.cosyvoice2.hift import HiFTGenerator
 from voxbatch.worker.cosyvoice2.hub import resolve_model_dir
 from voxbatch.worker.cosyvoice2.llm_backend import LlmBackend, LlmRequest
 from voxbatch.tokenizer import CosyVoice2Tokenizer
 from voxbatch.worker.engine import Engine, SynthesisRequest, SynthesisResult
+from voxbatch.worker.cosyvoice2.streaming import StreamingScheduler
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +142,17 @@ def time_scale(mel: torch.Tensor, speed: float) -> torch.Tensor:
     return F.interpolate(mel[None], size=frames, mode="linear")[0]
 
 
+def to_host(t: torch.Tensor) -> np.ndarray:
+    """Device -> host through pinned memory on the current stream: the copy waits only for this
+    stream's work (flow/HiFT), never for the LLM decoding on another."""
+    if t.device.type != "cuda":
+        return t.numpy()
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    torch.cuda.current_stream(t.device).synchronize()
+    return host.numpy()
+
+
 @contextlib.contextmanager
 def deterministic_cudnn() -> Iterator[None]:
     """cuDNN limited to deterministic algorithms while HiFT runs, restored after.
@@ -169,9 +184,11 @@ class CosyVoice2Engine(Engine):
         max_batch: int = 64,  # requests `synthesize` takes at once (the LLM decodes them together)
         flow_batch: int = 16,  # most rows in one flow + HiFT batch
         voice_cache_size: int = 32,
+        forced_lengths: bool = False,  # benchmark only (Settings.engine_forced_lengths)
     ):
         self.tokenizer, self.llm, self.flow, self.hift = tokenizer, llm, flow, hift
         self.max_batch, self.flow_batch = max_batch, flow_batch
+        self.forced_lengths = forced_lengths
         self.speech_token_size = speech_token_size
         self.sample_rate = hift.d.sampling_rate
         self.samples_per_token = flow.dims.token_mel_ratio * hift.d.samples_per_frame  # 960 at 24 kHz
@@ -234,7 +251,8 @@ class CosyVoice2Engine(Engine):
             flow.decoder.compile_estimator()  # compiled by warmup(), before the first task
         hift = HiFTGenerator.from_model_dir(model_dir, device=p.hift_device, dtype=p.hift_dtype)
         log.info("cosyvoice2 engine: %s; llm=%s on %s, flow on %s, hift on %s", model_dir, llm.name, p.llm_device, p.flow_device, p.hift_device)
-        engine = cls(tokenizer, llm, flow, hift, load_voice, dims.speech_token_size, max_batch=max_batch, flow_batch=flow_batch)
+        engine = cls(tokenizer, llm, flow, hift, load_voice, dims.speech_token_size, max_batch=max_batch, flow_batch=flow_batch,
+                     forced_lengths=bool(settings is not None and settings.engine_forced_lengths))
         engine.model_dir = Path(model_dir)
         engine.placement = p
         return engine
@@ -248,7 +266,8 @@ class CosyVoice2Engine(Engine):
             digest = model_digest(self.model_dir) if self.model_dir is not None else f"unsaved-{id(self)}"
             p = self.placement
             dtypes = "/".join(str(d) for d in (p.llm_dtype, p.flow_dtype, p.hift_dtype)) if p else "?"
-            self._fingerprint = f"cosyvoice2/{digest}/{self.llm.name}/{dtypes}"
+            forced = "/forced-lengths" if self.forced_lengths else ""  # benchmark audio never mixes with real
+            self._fingerprint = f"cosyvoice2/{digest}/{self.llm.name}/{dtypes}{forced}"
         return self._fingerprint
 
     # -- voices ------------------------------------------------------------------------------------
@@ -304,6 +323,8 @@ class CosyVoice2Engine(Engine):
         else:
             raise ValueError(f"unknown mode {p.mode!r}")
         max_tokens = MAX_TOKENS_PER_TEXT_TOKEN * len(text)
+        if self.forced_lengths:
+            max_tokens = forced_speech_tokens(request.text)
         if p.max_tokens is not None:
             max_tokens = min(max_tokens, p.max_tokens)
         # The one place max_tokens meets the backend's capacity: `max_seq` is the torch backend's KV
@@ -317,7 +338,7 @@ class CosyVoice2Engine(Engine):
         return LlmRequest(
             text_tokens=list(prefix) + text,
             prompt_speech_tokens=list(prompt_speech),
-            min_tokens=min(MIN_TOKENS_PER_TEXT_TOKEN * len(text), max_tokens),
+            min_tokens=max_tokens if self.forced_lengths else min(MIN_TOKENS_PER_TEXT_TOKEN * len(text), max_tokens),
             max_tokens=max_tokens,
             seed=request.seed,
             top_p=p.top_p,
@@ -341,6 +362,17 @@ class CosyVoice2Engine(Engine):
             if result.error:
                 raise RuntimeError(f"cosyvoice2 warm-up failed: {result.error}")
         self.llm.warmup()
+
+    def serve(self, intake, emit, stop, observe=None, admit=None) -> None:
+        """The worker's loop: one streaming scheduler (streaming.py) over the LLM backend's continuous
+        batching and a flow/HiFT thread on its own CUDA stream; the Pipeline contract of `Engine.serve`."""
+        StreamingScheduler(self, intake, emit, stop, observe, admit).run()
+
+    def item(self, request: SynthesisRequest) -> _Item:
+        """A request made ready for the LLM (voice prepared, input composed); raises LookupError or
+        ValueError for a missing/bad voice or text, which fails that segment only."""
+        voice = self.voices.get(request.voice)
+        return _Item(request, voice, self.llm_request(request, voice))
 
     def synthesize(self, batch: list[SynthesisRequest]) -> Iterator[SynthesisResult]:
         items: list[_Item] = []
@@ -396,6 +428,6 @@ class CosyVoice2Engine(Engine):
         generators = [torch.Generator(device=hift_dev).manual_seed(s) for s in seeds]
         with deterministic_cudnn():
             wav, _ = self.hift.inference(mel, torch.tensor(mel_lens, device=hift_dev), generators)  # (B, T_wav)
-        wav = wav.float().cpu().numpy()
+        wav = to_host(wav.float())
         spf = self.hift.d.samples_per_frame
         return [np.ascontiguousarray(wav[i, : n * spf]) for i, n in enumerate(mel_lens)]

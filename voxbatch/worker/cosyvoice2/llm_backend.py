@@ -12,6 +12,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 from voxbatch.models import RAS_TAU_R, RAS_TOP_K, RAS_TOP_P, RAS_WIN_SIZE
 
@@ -36,10 +37,41 @@ class LlmResult:
     tokens: list[int]  # speech tokens, stop token excluded
 
 
+class Feed(Protocol):
+    """Where a streaming backend takes work from (the engine's intake, already tokenized).
+
+    `take(n, wait)` returns up to n (key, request) pairs; with `wait` (the backend has nothing
+    decoding) it may block a little for work. None means no more work will come: the backend finishes
+    what it decodes and returns. `waiting()` is how many requests could be taken now (a hint)."""
+
+    def take(self, n: int, wait: bool) -> list[tuple[object, LlmRequest]] | None: ...
+
+    def waiting(self) -> int: ...
+
+
+class ListFeed:
+    """A fixed list of requests as a feed, keyed by their index (what `generate` decodes)."""
+
+    def __init__(self, requests: list[LlmRequest]):
+        self._items = list(enumerate(requests))
+        self._next = 0
+
+    def take(self, n: int, wait: bool) -> list[tuple[object, LlmRequest]] | None:
+        if self._next >= len(self._items):
+            return None
+        out = self._items[self._next : self._next + n]
+        self._next += len(out)
+        return out
+
+    def waiting(self) -> int:
+        return len(self._items) - self._next
+
+
 class LlmBackend(ABC):
     """What the engine calls, and all it calls: nothing is looked up with getattr."""
 
     name: str
+    max_batch: int = 64  # requests decoded at once (the torch backend's rows, vLLM's max_num_seqs)
     max_seq: int  # positions one request may use (prompt + generated tokens); the engine caps max_tokens to fit
 
     def warmup(self) -> None:
@@ -51,3 +83,13 @@ class LlmBackend(ABC):
     @abstractmethod
     def generate(self, requests: list[LlmRequest]) -> Iterator[LlmResult]:
         """Decode all requests together; yield each as soon as it stops (any order)."""
+
+    def stream(self, feed: Feed) -> Iterator[tuple[object, list[int]]]:
+        """Decode what `feed` gives until it says no more; yield (key, speech tokens) as each stops.
+
+        This default takes a batch, decodes it whole, then takes the next; the torch backend refills
+        rows as they free (continuous batching across whatever the feed brings)."""
+        while (batch := feed.take(self.max_batch, True)) is not None:
+            if batch:
+                for res in self.generate([r for _, r in batch]):
+                    yield batch[res.index][0], res.tokens

@@ -10,7 +10,8 @@ H200 (BENCHMARKS.md). The host knows which width the longest live row needs (pro
 since its prefill) and looks at the device only every `sync_every` steps or at a step where some row
 reaches max_tokens. At each look it yields the rows that stopped and prefills waiting requests into
 freed rows (continuous batching), in groups of at least `rows // refill_div` so prefill runs as a few
-batched calls. Rows that stop between looks keep decoding into their own cache row: wasted work, but
+batched calls. `stream` takes that work from a feed (the engine's intake) instead of a fixed list, so
+rows refill across task boundaries and the row count grows while more work waits. Rows that stop between looks keep decoding into their own cache row: wasted work, but
 no host sync per step; their extra tokens are never read.
 
 The KV cache belongs to the model, so one backend runs one `generate` at a time (the engine's
@@ -19,14 +20,13 @@ scheduler thread).
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 from voxbatch.worker.cosyvoice2.llm import CosyVoice2LM
-from voxbatch.worker.cosyvoice2.llm_backend import LlmBackend, LlmRequest, LlmResult
+from voxbatch.worker.cosyvoice2.llm_backend import Feed, ListFeed, LlmBackend, LlmRequest, LlmResult
 from voxbatch.worker.cosyvoice2.sampling import BatchSampler, RasConfig
 
 
@@ -36,6 +36,19 @@ def _bucket(n: int, cap: int) -> int:
     while b < n:
         b *= 2
     return min(b, cap)
+
+
+def attention_widths(max_seq: int, kv_block: int) -> list[int]:
+    """Attention widths with a captured graph: kv_block x {1, 2, 3, 4, 6, 8, 12, ...} up to max_seq.
+
+    Each (row count, width) graph holds its own intermediates in the graph pool; one width every
+    kv_block positions (32 widths at 4096) took 107 GiB of graph pools at 256 rows on an H200. Steps of
+    at most 1.5x keep the graphs few (10 at 4096) and the attention read at most 1.5x what it needs."""
+    widths, k = [], 1
+    while k * kv_block < max_seq:
+        widths.append(k * kv_block)
+        k = k + 1 if k < 4 else k + k // 2 if k & (k - 1) == 0 else k * 4 // 3
+    return widths + [max_seq]
 
 
 class _Rows:
@@ -116,6 +129,16 @@ class _Rows:
         self.sampler.assign(rows, [r.seed for r in requests], configs, [r.greedy for r in requests])
 
     @torch.inference_mode()
+    def absorb(self, smaller: "_Rows") -> None:
+        """Take over the rows of a smaller state (its rows keep their cache rows [0, smaller.rows))."""
+        n = smaller.rows
+        for name in ("logp", "lengths", "min_tokens", "max_tokens", "recent", "tokens", "n_out", "alive"):
+            getattr(self, name)[:n].copy_(getattr(smaller, name))
+        self.alive[n:] = False
+        for name in ("keys", "top_p", "top_k", "win_size", "tau_r", "greedy"):
+            getattr(self.sampler, name)[:n].copy_(getattr(smaller.sampler, name))
+
+    @torch.inference_mode()
     def collect(self, slots: list[int]) -> dict[int, list[int]]:
         """One host sync: which of `slots` have stopped, with their tokens."""
         alive, n_out = self.alive.tolist(), self.n_out.tolist()
@@ -150,7 +173,7 @@ class TorchLlmBackend(LlmBackend):
         device = model.llm_decoder.weight.device
         self.cuda_graphs = device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self.bucket = self.cuda_graphs if bucket_batches is None else bucket_batches
-        self.widths = sorted({min(max_seq, w) for w in range(kv_block, max_seq + kv_block, kv_block)})
+        self.widths = attention_widths(max_seq, kv_block)
         model.setup_cache(max_batch, max_seq)
         self._states: dict[int, _Rows] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
@@ -203,39 +226,62 @@ class TorchLlmBackend(LlmBackend):
     def generate(self, requests: list[LlmRequest]) -> Iterator[LlmResult]:
         for i, r in enumerate(requests):
             self._check(i, r)
-        if not requests:
-            return
-        n_rows = min(len(requests), self.max_batch)
-        state = self._state(_bucket(n_rows, self.max_batch) if self.bucket else n_rows)
-        min_refill = max(1, state.rows // self.refill_div)
-        pending = deque(range(len(requests)))
-        owner: dict[int, int] = {}  # row -> index of the request decoding in it
+        for key, tokens in self.stream(ListFeed(requests)):
+            yield LlmResult(index=key, tokens=tokens)  # type: ignore[arg-type]
+
+    def stream(self, feed: Feed) -> Iterator[tuple[object, list[int]]]:
+        """Continuous batching over whatever `feed` brings: rows freed by finished sequences are
+        refilled at the next host look, across the feed's task boundaries; the row count grows (to
+        the next captured size, at most max_batch) when more work waits than rows are free, and
+        starts small again once everything has drained."""
+        while (first := feed.take(self.max_batch, True)) is not None:
+            if first:
+                yield from self._session(first, feed)
+
+    def _rows_for(self, n: int) -> int:
+        return _bucket(n, self.max_batch) if self.bucket else min(n, self.max_batch)
+
+    def _session(self, first: list[tuple[object, LlmRequest]], feed: Feed) -> Iterator[tuple[object, list[int]]]:
+        state = self._state(self._rows_for(len(first)))
+        owner: dict[int, object] = {}  # row -> key of the request decoding in it
         offset: dict[int, int] = {}  # row -> prompt_len - step at prefill: its newest position is offset + s
         ends: set[int] = set()  # steps at which some row reaches max_tokens
         s = 0
 
-        def refill() -> None:
-            free = [b for b in range(state.rows) if b not in owner]
-            if not pending or not free:
-                return
-            if owner and len(free) < min(min_refill, len(pending)):
-                return  # wait for a bigger group: one batched prefill instead of many small ones
-            taken = [pending.popleft() for _ in free[: len(pending)]]
-            slots = free[: len(taken)]
-            state.fill(slots, [requests[i] for i in taken])
-            for b, i in zip(slots, taken):
-                r = requests[i]
-                owner[b] = i
+        def place(batch: list[tuple[object, LlmRequest]]) -> None:
+            for i, (_, r) in enumerate(batch):
+                self._check(i, r)
+            slots = [b for b in range(state.rows) if b not in owner][: len(batch)]
+            state.fill(slots, [r for _, r in batch])
+            for b, (key, r) in zip(slots, batch):
+                owner[b] = key
                 offset[b] = len(r.text_tokens) + len(r.prompt_speech_tokens) + 2 - s
                 ends.add(s + r.max_tokens)
 
-        refill()
+        place(first)
+        closed = False
         while owner:
             state.run(min(max(offset.values()) + s + 1, self.max_seq))
             s += 1
-            if s % self.sync_every == 0 or s in ends:
-                ends.discard(s)
-                for b, tokens in state.collect(sorted(owner)).items():
-                    yield LlmResult(index=owner.pop(b), tokens=tokens)
-                    del offset[b]
-                refill()
+            if s % self.sync_every != 0 and s not in ends:
+                continue
+            ends.discard(s)
+            for b, tokens in state.collect(sorted(owner)).items():
+                del offset[b]
+                yield owner.pop(b), tokens
+            if closed:
+                continue
+            waiting, free = feed.waiting(), state.rows - len(owner)
+            grow = waiting > free and state.rows < self.max_batch
+            if not waiting or (owner and not grow and free < min(max(1, state.rows // self.refill_div), waiting)):
+                continue  # wait for a bigger group: one batched prefill instead of many small ones
+            new = feed.take(self.max_batch - len(owner) if grow else free, False)
+            if new is None:
+                closed = True
+                continue
+            if len(owner) + len(new) > state.rows:
+                bigger = self._state(_bucket(len(owner) + len(new), self.max_batch) if self.bucket else self.max_batch)
+                bigger.absorb(state)
+                state = bigger
+            if new:
+                place(new)

@@ -114,6 +114,11 @@ class VllmLlmBackend(LlmBackend):
         return cls(settings.model_dir, options)
 
     @property
+    def max_batch(self) -> int:  # type: ignore[override]
+        """Requests `stream` hands vLLM at once (its max_num_seqs)."""
+        return self.options.max_num_seqs
+
+    @property
     def max_seq(self) -> int:
         """Positions one request may use (prompt + generated); the engine caps max_tokens to fit."""
         return self.options.max_model_len

@@ -1,0 +1,56 @@
+"""The GPU benchmark on a CPU with the tiny fixture: every stage runs and the result says what it measured.
+
+`python -m bench.gpu_engine --tiny --device cpu` runs the same code paths as on the H200 (the real
+`voxbatch worker` process fed by `voxbatch submit` through redis-server, the worker's engine through
+its Pipeline, the baseline, the LLM/flow/HiFT stages, vLLM when installed) at the smallest sizes; a
+failing stage makes it exit non-zero. Run as a subprocess: tests do not import bench.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL = ["--tiny", "--device", "cpu", "--segments", "4", "--max-s", "3", "--llm-batches", "1", "2", "--llm-tokens", "4",
+         "--flow-batches", "2", "--flow-batches-per-size", "1", "--flow-min-segments", "2", "--baseline-segments", "1",
+         "--worker-run", "rows=4,flow=2,task=2", "--worker-task-sizes", "4", "2", "--engine-runs", "rows=4,flow=2,task=2",
+         "--budget-s", "3000"]
+
+
+def bench(tmp_path: Path, *args: str, timeout: int = 1500) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "bench.gpu_engine", "--out", str(tmp_path), *args],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_unknown_stage_is_an_error(tmp_path):
+    out = bench(tmp_path, "--tiny", "--device", "cpu", "--stages", "llm", "e2e", timeout=120)
+    assert out.returncode == 2 and "unknown stage(s) e2e" in out.stderr
+
+
+def test_every_stage_runs_on_cpu_and_the_result_has_a_headline(tmp_path, tiny_model_dir):
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server not on PATH")
+    out = bench(tmp_path, *SMALL, "--fixture-yaml", str(tiny_model_dir / "cosyvoice2.yaml"))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    r = json.loads((tmp_path / "gpu_engine.json").read_text())
+    assert not r["errors"]
+    expected = {"accuracy", "llm", "flow_hift", "worker", "engine", "baseline", "profile", "vllm"}
+    assert set(r["stages"]) == expected
+    h = r["headline"]
+    assert set(h) == {"path", "x_realtime", "baseline_x_realtime", "gpu", "commit", "segments", "llm_tokens_per_s_corpus", "gpu_busy_pct"}
+    assert h["path"] == "worker" and h["gpu"] == "cpu" and h["commit"] == r["commit"] and len(h["commit"]) >= 40
+    worker = r["stages"]["worker"]["runs"]
+    assert set(worker) == {"tasks_of_4", "tasks_of_2"}
+    for run in worker.values():
+        assert run["done"] == run["segments"] == h["segments"] and run["failed"] == 0 and run["x_realtime"] > 0
+    assert h["x_realtime"] == worker["tasks_of_4"]["x_realtime"] and h["baseline_x_realtime"] > 0
+    (engine,) = r["stages"]["engine"]["runs"].values()
+    assert engine["stored"] == r["corpus"]["segments"] and engine["failed"] == 0

@@ -1,0 +1,205 @@
+"""The CosyVoice2 engine's streaming `serve` (worker/cosyvoice2/streaming.py) on the tiny fixture, CPU.
+
+What is checked: rows are refilled from the intake while others still decode (continuous batching
+across tasks) and every segment sounds as it does rendered alone; a solo request renders with nothing
+else in flight; an LLM failure re-renders what was in flight one at a time; a bad voice fails only its
+segment; a blocked `emit` (full output queue) stops the intake from being taken.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from tests.test_cosyvoice2_engine import BATCH_ATOL, TEXTS, exact_bound, req, storage_dir, voice  # noqa: F401
+from voxbatch.models import SynthesisParams
+from voxbatch.settings import Settings
+from voxbatch.worker.cosyvoice2.engine import CosyVoice2Engine
+from voxbatch.worker.engine import SynthesisRequest
+
+MAX_BATCH = 4
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir, storage_dir) -> CosyVoice2Engine:  # noqa: F811
+    settings = Settings(engine="cosyvoice2", model_dir=str(tiny_model_dir), storage_url=storage_dir.as_uri(),
+                        engine_max_batch=MAX_BATCH, engine_flow_batch=2)
+    return CosyVoice2Engine.from_settings(settings)
+
+
+class Recorder:
+    """serve()'s callbacks, recording the order of admits and emits."""
+
+    def __init__(self, block: threading.Event | None = None):
+        self.events: list[tuple[str, str]] = []
+        self.results = {}
+        self.block = block
+        self.lock = threading.Lock()
+
+    def admit(self, batch):
+        with self.lock:
+            self.events += [("admit", r.segment_id) for r in batch]
+        return batch
+
+    def emit(self, result):
+        if self.block is not None:
+            self.block.wait()
+        with self.lock:
+            self.events.append(("emit", result.request.segment_id))
+            self.results[result.request.segment_id] = result
+
+
+def serve(engine, requests, rec: Recorder, close: bool = True) -> tuple[threading.Thread, queue.Queue]:
+    intake: queue.Queue = queue.Queue()
+    for r in requests:
+        intake.put(r)
+    if close:
+        intake.put(None)
+    t = threading.Thread(target=engine.serve, args=(intake, rec.emit, threading.Event(), None, rec.admit), daemon=True)
+    t.start()
+    return t, intake
+
+
+def mixed(engine, n: int, start: int = 0) -> list[SynthesisRequest]:
+    wants = [4, 20, 8, 30, 6, 12]
+    return [req(start + i, TEXTS[i % len(TEXTS)], exact_bound(engine, TEXTS[i % len(TEXTS)], wants[i % len(wants)]))
+            for i in range(n)]
+
+
+def alone(engine, r) -> np.ndarray:
+    (res,) = list(engine.synthesize([r]))
+    return res.audio
+
+
+def test_rows_refill_across_tasks_and_each_segment_sounds_as_alone(engine):
+    batch = mixed(engine, 10)
+    rec = Recorder()
+    t, _ = serve(engine, batch, rec)
+    t.join(120)
+    assert not t.is_alive()
+    assert sorted(rec.results) == sorted(r.segment_id for r in batch)
+    for r in batch:
+        res = rec.results[r.segment_id]
+        assert res.error is None, res.error
+        np.testing.assert_allclose(res.audio, alone(engine, r), rtol=0, atol=BATCH_ATOL, err_msg=r.text)
+    # Continuous: some request was admitted after an earlier one was emitted while a third, admitted
+    # before that emit, was still decoding (its rows were refilled, not drained first).
+    admitted_at = {sid: i for i, (kind, sid) in enumerate(rec.events) if kind == "admit"}
+    emitted_at = {sid: i for i, (kind, sid) in enumerate(rec.events) if kind == "emit"}
+    first_emit = min(emitted_at.values())
+    late = [sid for sid, i in admitted_at.items() if i > first_emit]
+    assert late, rec.events
+    assert any(admitted_at[s] < first_emit and emitted_at[s] > min(admitted_at[x] for x in late) for s in admitted_at)
+    assert len(admitted_at) == len(batch)  # every request admitted exactly once
+
+
+def test_solo_request_renders_with_nothing_else_in_flight(engine):
+    batch = mixed(engine, 3) + [SynthesisRequest("solo", TEXTS[0], "v1", 5, SynthesisParams(max_tokens=8), solo=True)] + mixed(engine, 3, start=10)
+    rec = Recorder()
+    t, _ = serve(engine, batch, rec)
+    t.join(120)
+    assert not t.is_alive() and len(rec.results) == 7
+    i = rec.events.index(("admit", "solo"))
+    j = rec.events.index(("emit", "solo"))
+    before = {sid for kind, sid in rec.events[:i] if kind == "admit"}
+    assert before and before == {sid for kind, sid in rec.events[:i] if kind == "emit"}  # all out before it starts
+    assert all(kind == "emit" for kind, _ in rec.events[i + 1 : j]) is True and rec.events[i + 1 : j] == []
+
+
+def test_llm_failure_renders_what_was_in_flight_one_at_a_time(engine, monkeypatch):
+    batch = mixed(engine, 5)
+    real = type(engine.llm).stream
+    calls = {"n": 0}
+
+    def flaky(self, feed):
+        calls["n"] += 1
+        it = real(self, feed)
+        yield next(it)
+        if calls["n"] == 1:
+            raise RuntimeError("CUDA error: an illegal memory access (simulated)")
+        yield from it
+
+    monkeypatch.setattr(type(engine.llm), "stream", flaky)
+    rec = Recorder()
+    t, _ = serve(engine, batch, rec)
+    t.join(120)
+    monkeypatch.undo()
+    assert not t.is_alive()
+    assert sorted(rec.results) == sorted(r.segment_id for r in batch)
+    for r in batch:
+        assert rec.results[r.segment_id].error is None
+        np.testing.assert_allclose(rec.results[r.segment_id].audio, alone(engine, r), rtol=0, atol=BATCH_ATOL)
+
+
+def test_bad_voice_fails_only_its_segment(engine):
+    good = mixed(engine, 2)
+    bad = SynthesisRequest("bad", TEXTS[0], "nobody", 1, SynthesisParams(max_tokens=4))
+    rec = Recorder()
+    t, _ = serve(engine, good + [bad], rec)
+    t.join(120)
+    assert rec.results["bad"].audio is None and "nobody" in rec.results["bad"].error
+    assert all(rec.results[r.segment_id].error is None for r in good)
+
+
+def test_blocked_emit_stops_taking_the_intake(engine):
+    gate = threading.Event()
+    rec = Recorder(block=gate)
+    batch = mixed(engine, 24)
+    t, intake = serve(engine, batch, rec)
+    time.sleep(3.0)
+    taken = sum(kind == "admit" for kind, _ in rec.events)
+    # The vocoder's backlog limit (max(2 x flow batch, max batch) rows) plus the LLM's rows, not all 24.
+    assert taken <= max(2 * engine.flow_batch, MAX_BATCH) + MAX_BATCH + engine.flow_batch, taken
+    assert intake.qsize() > 0
+    gate.set()
+    t.join(120)
+    assert len(rec.results) == 24
+
+
+class TrickleFeed:
+    """One request at first, then one more becomes available at each look: the backend must grow its
+    row count while rows decode (bucketed sizes 1 -> 2 -> 4 -> 8) and refill across the arrivals."""
+
+    def __init__(self, requests):
+        self.items = list(enumerate(requests))
+        self.available = 1
+        self.taken = 0
+
+    def waiting(self) -> int:
+        self.available = min(len(self.items), self.available + 1)
+        return self.available - self.taken
+
+    def take(self, n: int, wait: bool):
+        if self.taken >= len(self.items):
+            return None
+        if wait:
+            self.available = max(self.available, self.taken + 1)
+        out = self.items[self.taken : min(self.available, self.taken + n)]
+        self.taken += len(out)
+        return out
+
+
+def test_torch_backend_grows_its_rows_and_gives_the_same_tokens(engine):
+    from voxbatch.worker.cosyvoice2.torch_backend import TorchLlmBackend
+
+    voice = engine.voices.get("v1")
+    requests = [engine.llm_request(r, voice) for r in mixed(engine, 7)]
+    backend = TorchLlmBackend(engine.llm.model, max_batch=8, max_seq=engine.llm.max_seq, cuda_graphs=False,
+                              bucket_batches=True, sync_every=2)
+    want = {r.index: r.tokens for r in backend.generate(requests)}
+    got = dict(backend.stream(TrickleFeed(requests)))
+    assert got == want
+    assert sorted(backend._states) == [1, 2, 4, 8]  # grew while decoding, never past max_batch

@@ -1,0 +1,283 @@
+"""The CosyVoice2 engine's one scheduler: continuous LLM decoding overlapped with flow/HiFT.
+
+    intake ──admit──> feed ──LlmBackend.stream──> finished rows ──length buckets──> flow + HiFT ──emit──>
+     (tasks)           (LLM thread: refills free KV rows across tasks)     (vocoder thread, own CUDA stream)
+
+Why one loop: batch-at-a-time serving (decode a batch, vocode it, then take more) left the GPU idle
+while the slowest row of each batch decoded alone, and let the worker's batch size follow its Celery
+task size. Here the LLM backend takes work from the intake whenever rows free up, whatever task it
+came from; each finished sequence goes into a length bucket; a bucket runs through flow + HiFT as one
+batch when it is full, when the LLM has too little left to fill it, or when its oldest row has waited
+`FLUSH_AFTER_S`. The vocoder thread runs on its own CUDA stream, so the decode step's graphs keep the GPU
+busy while flow/HiFT run, and HiFT's output comes to the host through pinned memory on that stream.
+
+The Pipeline's contract (`Engine.serve`) holds: `admit` is called on what is taken from the intake
+before it renders (attempts are counted there); a `solo` request (a suspect) renders with nothing else
+in flight, in the LLM or in flow/HiFT; if the LLM fails, what it was decoding is rendered again one
+request at a time, and a failing flow/HiFT batch is retried row by row, so one bad segment fails alone;
+`emit` blocking (a full output queue) stops the intake from being taken; `stop` or a None in the intake
+ends the loop once what is in flight is emitted. `observe(size, audio_s, wall_s)` hears of every
+flow/HiFT batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+import torch
+
+from voxbatch.worker.engine import SynthesisRequest, SynthesisResult
+
+log = logging.getLogger(__name__)
+
+FLUSH_AFTER_S = 1.0  # a partial flow bucket runs once its oldest row has waited this long
+POLL_S = 0.05  # how long an idle LLM thread waits on the intake before looking at `stop` again
+
+
+def _bucket(n_tokens: int) -> int:
+    """Length bucket of a finished sequence: rows within a factor of 2 share a flow batch."""
+    return max(n_tokens, 1).bit_length()
+
+
+class _Feed:
+    """The LLM backend's view of the intake (`llm_backend.Feed`): admitted, tokenized items.
+
+    Items taken and not yet emitted are `inflight` (key -> item); a solo request is held until the LLM
+    and the vocoder are both empty, then taken alone, and nothing else is taken until it is done."""
+
+    def __init__(self, sched: "StreamingScheduler"):
+        self.s = sched
+        self.inflight: dict[int, object] = {}
+        self.closed = False
+        self._solo: SynthesisRequest | None = None
+        self._exclusive = False  # a solo request is rendering: take nothing else
+        self._keys = 0
+
+    def waiting(self) -> int:
+        if self.closed or self._solo is not None or self._exclusive or self.s.vocoder.backlogged():
+            return 0
+        return self.s.intake.qsize()
+
+    def take(self, n: int, wait: bool) -> list | None:
+        s = self.s
+        if self.closed or s.stop.is_set():
+            self.closed = True
+            return None
+        if self._exclusive or self._solo is not None:
+            if not wait:
+                return []
+            s.vocoder.drain()  # the LLM is idle: once flow/HiFT are empty too, the solo part ends/begins
+            self._exclusive = False
+            if self._solo is not None:
+                solo, self._solo = self._solo, None
+                got = self._admit([solo])
+                self._exclusive = bool(got)
+                return got
+        if wait:
+            s.vocoder.wait_not_backlogged(s.stop)
+        if s.vocoder.backlogged():
+            return []  # flow/HiFT (or storage behind them) is behind: let it catch up
+        batch: list[SynthesisRequest] = []
+        while len(batch) < n:
+            try:
+                req = s.intake.get(timeout=POLL_S) if wait and not batch else s.intake.get_nowait()
+            except queue.Empty:
+                break
+            if req is None:
+                self.closed = True
+                break
+            if req.solo:
+                self._solo = req
+                break
+            batch.append(req)
+        got = self._admit(batch) if batch else []
+        if self.closed and not got:
+            return None
+        return got
+
+    def _admit(self, batch: list[SynthesisRequest]) -> list:
+        s = self.s
+        if s.admit is not None:
+            batch = s.admit(batch)
+        out = []
+        for req in batch:
+            try:
+                item = s.engine.item(req)
+            except (LookupError, ValueError) as e:  # a missing/bad voice or text fails that segment only
+                s.emit(SynthesisResult(req, None, f"{type(e).__name__}: {e}"))
+                continue
+            self._keys += 1
+            self.inflight[self._keys] = item
+            out.append((self._keys, item.llm))
+        return out
+
+
+class _Vocoder:
+    """Flow + HiFT in a thread of their own, on their own CUDA stream, over length buckets."""
+
+    def __init__(self, sched: "StreamingScheduler"):
+        self.s = sched
+        self.flow_batch = sched.engine.flow_batch
+        self.limit = max(2 * self.flow_batch, sched.engine.max_batch)  # finished rows before the intake pauses
+        self.buckets: dict[int, list] = {}
+        self.since: dict[int, float] = {}  # bucket -> when its oldest row arrived
+        self.pending = 0  # rows handed over and not yet emitted
+        self.cv = threading.Condition()
+        self.draining = 0
+        self.closing = False
+        self.last_observed = time.perf_counter()
+        self.thread = threading.Thread(target=self._loop, name="flow-hift", daemon=True)
+
+    # -- the LLM thread's side -----------------------------------------------------------------------
+
+    def put(self, item) -> None:
+        with self.cv:
+            key = _bucket(len(item.tokens))
+            self.buckets.setdefault(key, []).append(item)
+            self.since.setdefault(key, time.perf_counter())
+            self.pending += 1
+            self.cv.notify_all()
+
+    def backlogged(self) -> bool:
+        return self.pending >= self.limit
+
+    def wait_not_backlogged(self, stop: threading.Event) -> None:
+        with self.cv:
+            self.cv.wait_for(lambda: self.pending < self.limit or stop.is_set(), timeout=POLL_S)
+
+    def drain(self) -> None:
+        """Run every partial bucket now and wait until all rows handed over are emitted."""
+        with self.cv:
+            self.draining += 1
+            self.cv.notify_all()
+            try:
+                self.cv.wait_for(lambda: self.pending == 0 or not self.thread.is_alive())
+            finally:
+                self.draining -= 1
+
+    def close(self) -> None:
+        with self.cv:
+            self.closing = True
+            self.cv.notify_all()
+        self.thread.join()
+
+    # -- the vocoder thread ----------------------------------------------------------------------------
+
+    def _next(self) -> tuple[list, float] | None:
+        """The next batch to run and when its oldest row arrived (blocks); None once closing and empty."""
+        with self.cv:
+            while True:
+                now = time.perf_counter()
+                full = [k for k, rows in self.buckets.items() if len(rows) >= self.flow_batch]
+                if full:
+                    key = max(full)
+                    rows, started = self.buckets[key], self.since[key]
+                    batch, self.buckets[key] = rows[: self.flow_batch], rows[self.flow_batch :]
+                    if not self.buckets[key]:
+                        del self.buckets[key], self.since[key]
+                    else:
+                        self.since[key] = now
+                    return batch, started
+                if self.buckets:
+                    starved = self.draining or self.closing or self.s.llm_rows() < self.flow_batch
+                    old = [k for k, t in self.since.items() if now - t >= FLUSH_AFTER_S]
+                    if starved or old:
+                        key = max(old) if old and not starved else max(self.buckets)
+                        return self.buckets.pop(key), self.since.pop(key)
+                elif self.closing:
+                    return None
+                self.cv.wait(timeout=0.02 if self.buckets else 0.2)
+
+    def _loop(self) -> None:
+        engine = self.s.engine
+        with ExitStack() as stack:
+            for dev in {engine.flow.encoder_proj.weight.device, engine.hift.conv_pre.weight.device}:
+                if dev.type == "cuda":
+                    stack.enter_context(torch.cuda.stream(torch.cuda.Stream(dev)))
+            while (nxt := self._next()) is not None:
+                batch, started = nxt
+                try:
+                    self._render(batch, started)
+                finally:
+                    with self.cv:
+                        self.pending -= len(batch)
+                        self.cv.notify_all()
+
+    def _render(self, batch: list, started: float) -> None:
+        s = self.s
+        try:
+            results = list(s.engine.vocode(batch))
+        except Exception as e:  # noqa: BLE001 - retried row by row: one bad segment fails alone
+            results = []
+            for item in batch:
+                try:
+                    if len(batch) == 1:
+                        raise e
+                    results += list(s.engine.vocode([item]))
+                except Exception as e1:  # noqa: BLE001
+                    results.append(SynthesisResult(item.request, None, f"{type(e1).__name__}: {e1}"))
+        audio_s = 0.0
+        for r in results:
+            if r.audio is not None:
+                audio_s += len(r.audio) / s.engine.sample_rate
+            s.emit(r)
+        now = time.perf_counter()
+        if s.observe is not None:  # wall: since the previous batch was out, or since this one's first row
+            s.observe(len(batch), audio_s, now - max(self.last_observed, started))
+        self.last_observed = now
+
+
+class StreamingScheduler:
+    """One `serve` call of the CosyVoice2 engine (see the module docstring)."""
+
+    def __init__(self, engine, intake: "queue.Queue[SynthesisRequest | None]", emit: Callable[[SynthesisResult], None],
+                 stop: threading.Event, observe: Callable[[int, float, float], None] | None = None,
+                 admit: Callable[[list[SynthesisRequest]], list[SynthesisRequest]] | None = None):
+        self.engine, self.intake, self.emit, self.stop = engine, intake, emit, stop
+        self.observe, self.admit = observe, admit
+        self.feed = _Feed(self)
+        self.vocoder = _Vocoder(self)
+
+    def llm_rows(self) -> int:
+        """Rows the LLM is decoding now plus requests waiting in the intake: the work that could still
+        join a partial flow bucket."""
+        return len(self.feed.inflight) + self.intake.qsize()
+
+    def run(self) -> None:
+        self.vocoder.thread.start()
+        try:
+            while not self.feed.closed:
+                try:
+                    for key, tokens in self.engine.llm.stream(self.feed):
+                        self._finished_row(key, tokens)
+                except Exception as e:  # noqa: BLE001 - what the LLM was decoding is rendered alone
+                    log.warning("LLM batch failed (%s: %s); rendering its %d requests one at a time",
+                                type(e).__name__, e, len(self.feed.inflight))
+                    self._one_at_a_time()
+                    continue
+                break
+        finally:
+            self.vocoder.close()
+
+    def _finished_row(self, key: int, tokens: list[int]) -> None:
+        item = self.feed.inflight.pop(key)
+        if not tokens:
+            self.emit(SynthesisResult(item.request, None, "the LLM stopped before any speech token"))
+            return
+        item.tokens = tokens
+        self.vocoder.put(item)
+
+    def _one_at_a_time(self) -> None:
+        self.vocoder.drain()
+        items, self.feed.inflight = list(self.feed.inflight.values()), {}
+        for item in items:
+            try:
+                results = list(self.engine._run([item]))
+            except Exception as e:  # noqa: BLE001
+                results = [SynthesisResult(item.request, None, f"{type(e).__name__}: {e}")]
+            for r in results:
+                self.emit(r)
