@@ -397,7 +397,7 @@ def render(path: Optional[Path] = typer.Argument(None, help="corpus (.txt, .md, 
             progress.remove_task(planning[0])
         err.print(escape(what), highlight=False, soft_wrap=True)
 
-    with Progress(*progress_columns(), console=err) as progress:
+    with Progress(*progress_columns(), console=err, transient=True) as progress:  # the summary line stays
         bar: list[JobBar] = []
         planning: list[int] = []
 
