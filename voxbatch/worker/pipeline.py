@@ -292,6 +292,9 @@ class Pipeline:
         except AudioDecodeError as e:  # never written by us (puts are atomic): render it again over it
             log.warning("%s: stored object is not audio (%s); rendering it again", where, e)
             return False
+        # Not rendered by this run: reported reused (an unchanged book rendered again into the same
+        # folder has the same stable job id and finds every segment here, not in the cache).
+        self._service(lambda: self.jobs.mark_reused(job_id, seg.id), where, stop=self._abandoned)
         self._record(job_id, seg.id, audio_s=audio_s, stop=self._abandoned)
         return True
 
