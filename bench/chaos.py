@@ -13,7 +13,7 @@ every segment is stored exactly once (the bucket is versioned, so a second PUT o
 second version), none is lost or failed, and each one's bytes equal a clean render of the same job
 (the tone engine and encoder in this process, no services: S3 ETags are the MD5 of the bytes), and
 how long progress stalled after each fault (the longest gap between two increments of the done
-counter from the fault's start to 30 s after its end). It writes bench/results/chaos*.json.
+counter from the fault's start to the next fault, or to the last segment for the last one). It writes bench/results/chaos*.json.
 
 Usage (from the repo root):
   python -m bench.chaos --segments 10000 --workers 3 --kills 3 --redis-restarts 1 --outage-s 30 \
@@ -60,7 +60,7 @@ class Fault:
     kind: str
     at_s: float  # since the job was submitted
     duration_s: float  # how long the service was away (0 for a kill)
-    stall_s: float = 0.0  # longest gap without progress from at_s to 30 s after it ended
+    stall_s: float = 0.0  # longest gap without progress from at_s to the next fault (or the last segment)
     detail: str = ""
 
 
@@ -136,6 +136,7 @@ def main() -> None:
     ap.add_argument("--redis-restarts", type=int, default=1)
     ap.add_argument("--outages", type=int, default=1)
     ap.add_argument("--outage-s", type=float, default=30.0)
+    ap.add_argument("--min-gap-s", type=float, default=5.0, help="least time between two faults")
     ap.add_argument("--seed", type=int, default=12)
     ap.add_argument("--timeout-s", type=float, default=3600.0)
     ap.add_argument("--env", action="append", default=[], metavar="VOXBATCH_X=v",
@@ -143,6 +144,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=REPO / "bench/results/chaos.json")
     a = ap.parse_args()
     rng = random.Random(a.seed)
+    # The code under test is the checkout as the run starts (workers restarted later re-import it).
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
 
     workdir = Path(tempfile.mkdtemp(prefix="vb-chaos-"))
     (workdir / "redis").mkdir()
@@ -170,7 +173,11 @@ def main() -> None:
         for p in procs[:-1]:
             p.wait_ready(300)
 
-        spec = make_spec(a.segments)
+        # Unique texts: with repeated ones the content-addressed cache (voxbatch/reuse.py) would
+        # render each text once and copy it for the rest, and the faults would hit few renders.
+        base = make_spec(a.segments)
+        spec = base.model_copy(update={"segments": [s.model_copy(update={"text": f"{s.text} Line {i}."})
+                                                     for i, s in enumerate(base.segments)]})
         n = len(spec.segments)
         plan = (["kill"] * a.kills + ["redis_restart"] * a.redis_restarts + ["storage_outage"] * a.outages)
         marks = sorted(rng.uniform(0.05, 0.85) for _ in plan)
@@ -179,46 +186,56 @@ def main() -> None:
         print(f"chaos: {n} segments, {a.workers} workers; faults at progress {[(round(m, 2), k) for m, k in schedule]}",
               flush=True)
 
-        t0 = time.monotonic()
+        t0, submitted_at = time.monotonic(), time.time()
         submit_job(spec, settings, storage)
         progress = Progress(jobs, spec.id, n, t0)
         faults: list[Fault] = []
+        killed: set[int] = set()
+        last_fault = -a.min_gap_s
         deadline = t0 + a.timeout_s
         while progress.state not in FINISHED and time.monotonic() < deadline:
             time.sleep(0.2)
-            if not schedule or progress.finished() < schedule[0][0] * n:
+            if (not schedule or progress.finished() < schedule[0][0] * n
+                    or time.monotonic() - t0 - last_fault < a.min_gap_s):
                 continue
             _, kind = schedule.pop(0)
             at = time.monotonic() - t0
             if kind == "kill":
-                victim = rng.randrange(a.workers)
-                pids = children(procs[victim].proc.pid)
-                for pid in pids:
+                # A worker whose process is up (a launcher may still be restarting the last one killed).
+                live = {i: [p for p in children(procs[i].proc.pid) if p not in killed] for i in range(a.workers)}
+                victim = rng.choice([i for i, pids in live.items() if pids] or [0])
+                for pid in live[victim]:
                     os.kill(pid, signal.SIGKILL)
-                faults.append(Fault(kind, round(at, 2), 0.0, detail=f"worker {victim} (pid {pids})"))
+                    killed.add(pid)
+                faults.append(Fault(kind, round(at, 2), 0.0, detail=f"worker {victim} (pid {live[victim]})"))
             elif kind == "redis_restart":
                 rds.restart()
                 faults.append(Fault(kind, round(at, 2), round(time.monotonic() - t0 - at, 2), detail="SIGKILL, AOF reload"))
             else:
-                s3.stop()
+                s3.proc.kill()  # down at once, in-flight requests cut off
+                s3.proc.wait(10)
                 time.sleep(a.outage_s)
                 s3.start()
                 faults.append(Fault(kind, round(at, 2), round(time.monotonic() - t0 - at, 2), detail="SeaweedFS stopped"))
+            last_fault = time.monotonic() - t0
             print(f"chaos: {faults[-1]} at {progress.finished()}/{n}", flush=True)
         wall_s = time.monotonic() - t0
         time.sleep(1)
         progress.stop()
-        for f in faults:
-            f.stall_s = progress.longest_gap(f.at_s, f.at_s + f.duration_s + 30)
+        for f, nxt in zip(faults, [*faults[1:], None]):
+            f.stall_s = progress.longest_gap(f.at_s, nxt.at_s if nxt else wall_s)
         status = jobs.status(spec.id)
 
         # Verify against storage: versions per key (a second PUT is a second version), and bytes (ETag = MD5).
         client = s3.client()
         prefix = f"chaos/{keys.segments_prefix(spec.id)}"
         versions: dict[str, list[str]] = {}
+        written: dict[str, list[float]] = {}  # seconds after submit of each version, for the report
         for page in client.get_paginator("list_object_versions").paginate(Bucket=bucket, Prefix=prefix):
             for v in page.get("Versions", []):
-                versions.setdefault(v["Key"][len("chaos/"):], []).append(v["ETag"].strip('"'))
+                key = v["Key"][len("chaos/"):]
+                versions.setdefault(key, []).append(v["ETag"].strip('"'))
+                written.setdefault(key, []).append(round(v["LastModified"].timestamp() - submitted_at, 1))
         reference = reference_md5(spec, spec.format)
         stored = {k: v for k, v in versions.items() if k in reference}
         result = {
@@ -228,11 +245,14 @@ def main() -> None:
             "stored_once": sum(len(v) == 1 for v in stored.values()),
             "lost": n - len(stored),
             "duplicated": sum(len(v) > 1 for v in stored.values()),
+            "duplicated_writes_s": {k.rsplit("/", 1)[-1]: sorted(written[k]) for k, v in stored.items() if len(v) > 1},
             "failed": status.failed if status else None,
             "identical_to_clean": sum(v[0] == reference[k] for k, v in stored.items() if len(set(v)) == 1),
             "state": status.state if status else None,
             "completed_by_itself": bool(status and status.state == "completed"),
             "swept": status.swept if status else None,
+            "reused": status.reused if status else None,
+            "rendered": int(jobs.r.hlen(RedisJobStore._k(spec.id, "attempts"))),
             "wall_s": round(wall_s, 1),
             "faults": [asdict(f) for f in faults],
             "workers": a.workers,
@@ -244,8 +264,7 @@ def main() -> None:
             "hardware": {"cores": os.cpu_count(), "load_average_at_end": [round(x, 2) for x in os.getloadavg()],
                          "python": platform.python_version()},
             "seed": a.seed,
-            "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
-                                     text=True).stdout.strip(),
+            "commit": commit,
             "command": "python -m bench.chaos " + " ".join(sys.argv[1:]),
         }
         a.out.parent.mkdir(parents=True, exist_ok=True)

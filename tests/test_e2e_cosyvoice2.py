@@ -246,3 +246,27 @@ def test_distributed_render_with_cosyvoice2_workers(llm_backend, tiny_model, pro
         for p in c.procs:
             p.stop()
 
+
+
+def test_cast_mixes_voices_and_a_second_render_reuses_everything(tiny_model, prompt_wav, tmp_path):
+    """CosyVoice2 engine (tiny model): a cast segment is rendered with its own voice profile in the same
+    batches as the narrator's, and rendering the script again takes every segment from the cache."""
+    out = tmp_path / "out"
+    env = {"VOXBATCH_STORAGE_URL": out.resolve().as_uri()}
+    for name, text in (("v1", PROMPT_TEXT), ("v2", "A different speaker reads this prompt.")):
+        cli("voice", "add", name, "--wav", str(prompt_wav), "--text", text, "--model-dir", str(tiny_model), env=env)
+    script = tmp_path / "ep.md"
+    script.write_text("Welcome to the show.\n\nAlice: Hello, I am Alice.\n\nAnd that was Alice.\n", encoding="utf-8")
+    args = ["render", str(script), "--out", str(out), "--voice", "v1", "--cast", "Alice=v2", "--engine", "cosyvoice2",
+            "--model-dir", str(tiny_model), "--max-tokens", str(MAX_TOKENS)]
+    first = cli(*args, timeout=600)
+    assert "(0 reused," in first.stdout
+    (job_dir,) = list((out / "jobs").iterdir())  # the same command: the same (stable) job id
+    fresh = Manifest.model_validate_json((job_dir / "manifest.json").read_text())
+    second = cli(*args, timeout=600)
+    assert f"({len(fresh.segments)} reused, 0 rendered)" in second.stdout, second.stdout
+    again = Manifest.model_validate_json((job_dir / "manifest.json").read_text())
+    assert [(s.voice, s.text) for s in fresh.segments] == [
+        ("v1", "Welcome to the show."), ("v2", "Hello, I am Alice."), ("v1", "And that was Alice.")]
+    assert all(s.reused for s in again.segments) and not any(s.reused for s in fresh.segments)
+    assert [s.duration_s for s in again.segments] == [s.duration_s for s in fresh.segments]

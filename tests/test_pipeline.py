@@ -13,7 +13,8 @@ from voxbatch.jobstate import MemoryJobStore
 from voxbatch.models import JobSpec, Segment
 from voxbatch.settings import Settings
 from voxbatch.storage import LocalStorage
-from voxbatch.worker.pipeline import Pipeline, backoff_s
+from voxbatch.outage import backoff_s
+from voxbatch.worker.pipeline import Pipeline
 from voxbatch.worker.tone import FAIL_MARKER, ToneEngine
 
 

@@ -12,7 +12,7 @@ Two things kombu's Redis transport does not do for us:
   (Celery's own logs a traceback and a dump of the body) and drops the message. The arguments of a
   render task are the task's to validate (worker/messages.py).
 
-- **Dead workers' tasks.** A task a worker has taken sits in kombu's `unacked` hash, indexed by the
+- **Dead workers' tasks, and only theirs.** A task a worker has taken sits in kombu's `unacked` hash, indexed by the
   time it was taken in the `unacked_index` sorted set; any worker restores one older than the
   visibility timeout to the queue. With a timeout above the longest task (the old setting: an hour),
   a SIGKILLed worker's tasks waited an hour. `TaskHeartbeat` lets the timeout be short instead: every
@@ -59,6 +59,14 @@ def _envelope_problem(message: object) -> str | None:
 
 
 class Channel(kombu_redis.Channel):
+    # kombu hands every message this channel holds back to the queue when the channel closes, which
+    # includes a lost connection (a Redis restart): the tasks still running here were then delivered
+    # to another worker too and their segments rendered and written twice. Held messages stay where
+    # they are instead: the worker finishes and acks them, the heartbeat keeps them fresh meanwhile,
+    # and if the worker dies the visibility timeout brings them back. (Graceful shutdown does not
+    # need the restore either: unfinished tasks are rejected with requeue, worker/main.py.)
+    do_restore = False
+
     def _brpop_read(self, **options):
         try:
             return super()._brpop_read(**options)

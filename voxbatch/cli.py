@@ -393,10 +393,18 @@ def render(path: Optional[Path] = typer.Argument(None, help="corpus (.txt, .md, 
     def started(spec, already: int) -> None:
         what = (f"resuming job {spec.id}: {already} of {len(spec.segments)} segments already rendered"
                 if already else f"job {spec.id}: {len(spec.segments)} segments")
+        if planning:
+            progress.remove_task(planning[0])
         err.print(escape(what), highlight=False, soft_wrap=True)
 
-    with Progress(*progress_columns(), console=err) as progress:
+    with Progress(*progress_columns(), console=err, transient=True) as progress:  # the summary line stays
         bar: list[JobBar] = []
+        planning: list[int] = []
+
+        def planned(stage: str, done: int, total: int) -> None:  # a large corpus takes a while to segment
+            if not planning:
+                planning.append(progress.add_task("segmenting chapters", total=total, audio=0.0, rate=0.0, failed=0))
+            progress.update(planning[0], completed=done, total=total)
 
         def show(status) -> None:
             if not bar:
@@ -405,8 +413,8 @@ def render(path: Optional[Path] = typer.Argument(None, help="corpus (.txt, .md, 
 
         try:
             manifest = render_local(path, out, voice, settings, params=SynthesisParams(max_tokens=max_tokens),
-                                    title=title, author=author, resume=resume, on_start=started, on_progress=show,
-                                    **options)
+                                    title=title, author=author, resume=resume, on_plan=planned, on_start=started,
+                                    on_progress=show, **options)
         except RenderInterrupted as e:
             progress.stop()
             err.print(f"interrupted: {e.done} of {e.total} segments of job {e.job_id} are stored; run the same "

@@ -90,14 +90,15 @@ def render_local(path: str | Path | None, out_dir: str | Path, voice: str | None
                  engine: Engine | None = None, cast: dict[str, str] | None = None,
                  lexicon: str | Path | None = None, reuse: bool = True, title: str | None = None,
                  author: str | None = None, resume: str | None = None,
+                 on_plan: Callable[[str, int, int], None] | None = None,
                  on_start: Callable[[JobSpec, int], None] | None = None,
                  on_progress: Callable[[JobStatus], None] | None = None) -> Manifest:
     """Render a corpus into `out_dir` (layout as in storage: jobs/<id>/...); returns the manifest.
 
     Segments are measured with the tokenizer of `settings.model_dir` unless the engine (`engine`, else
     `settings.engine`) is the tone engine or no model dir is set (`producer.submit.segment_length_fn`).
-    `resume` continues the stored job of that id instead of planning `path`. `on_start(spec, already)`
-    is told the job and how many segments were stored before this run; `on_progress` gets the job's
+    `resume` continues the stored job of that id instead of planning `path`. `on_plan(stage, done, total)`
+    follows the planning (`producer.submit.Progress`); `on_start(spec, already)` is told the job and how many segments were stored before this run; `on_progress` gets the job's
     status while it renders. Raises RenderError before rendering anything when voice, model or
     storage is unusable, and RenderInterrupted on Ctrl-C.
     """
@@ -109,7 +110,7 @@ def render_local(path: str | Path | None, out_dir: str | Path, voice: str | None
         if path is None or voice is None:
             raise ValueError("render needs a corpus path and a voice, or a job id to resume")
         spec = plan_job(path, voice, settings, name=name, fmt=fmt, params=params, engine=engine_name, cast=cast,
-                        lexicon=lexicon, reuse=reuse, title=title, author=author)
+                        lexicon=lexicon, reuse=reuse, title=title, author=author, progress=on_plan)
         spec = spec.model_copy(update={"id": stable_job_id(spec, engine_name, settings.model_dir)})
     check_voices(storage, spec)
     engine = engine or build_engine(settings)

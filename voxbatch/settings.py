@@ -110,7 +110,7 @@ class Settings(BaseSettings):
     # Broker visibility timeout: a task held this long without a heartbeat goes back to the queue.
     # Workers refresh their running tasks every `task_heartbeat_s`, so it bounds how long a dead
     # worker's tasks wait, not how long a task may run.
-    visibility_timeout_s: int = Field(120, ge=10)
+    visibility_timeout_s: int = Field(60, ge=10)
     # How often a worker marks the tasks it is running as alive (well under the visibility timeout).
     task_heartbeat_s: float = Field(10.0, gt=0)
     # The sweeper (in `voxbatch assembler`): how often it looks for segments that are neither done,

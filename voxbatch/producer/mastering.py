@@ -14,7 +14,7 @@
 
 Room tone: ACX wants 0.5-1 s at the head, 1-5 s at the tail and a noise floor <= -60 dB RMS. The
 generated room tone is very low white noise (-75 dBFS RMS, peaks near -62 dBFS), not digital silence:
-ACX's reviewers reject files whose gaps drop to digital zero ("dead air") as edited or gated, and a
+ACX asks for room tone, gaps that drop to digital zero ("dead air") read as gated or edited audio, and a
 constant bed makes the gaps between segments sound like one recording. -75 dB leaves 15 dB of margin
 to the -60 dB limit after MP3 encoding.
 

@@ -68,7 +68,8 @@ def plan_job(path: str | Path, voice: str, settings: Settings, *, name: str | No
     from voxbatch.producer.segment import segment_chapter
 
     path = Path(path)
-    keys.check_name("voice name", voice)
+    if not is_builtin_voice(voice):  # "tone:NAME" is never a storage key
+        keys.check_name("voice name", voice)
     limits = CorpusLimits.from_settings(settings)
     check_corpus(path, limits)  # before the metadata reader opens an EPUB
     lex = load_lexicon(lexicon) if lexicon is not None else None

@@ -55,7 +55,7 @@ T = TypeVar("T")
 # Exit status of a worker process whose pipeline thread died (the launcher restarts it).
 THREAD_DIED_EXIT = 70
 
-__all__ = ["Pipeline", "TaskHandle", "TaskAbandoned", "backoff_s", "THREAD_DIED_EXIT"]
+__all__ = ["Pipeline", "TaskHandle", "TaskAbandoned", "THREAD_DIED_EXIT"]
 
 
 def _exit_process(thread_name: str) -> None:
@@ -281,11 +281,10 @@ class Pipeline:
         where = f"segment {job_id}/{seg.id}"
         if self._service(lambda: self.jobs.is_done(job_id, seg.id), where, stop=self._abandoned):
             return True
-        # The cache first: a hit is two requests (get, copy over whatever an earlier delivery stored).
-        if handle.task.reuse and self._reuse(handle, seg):
-            return True
+        # The segment's own key before the cache: a redelivery whose first delivery stored it must not
+        # copy over it (an object is written once; bench/chaos.py counts writes per key).
         if not self._service(lambda: self.storage.exists(key), where, stop=self._abandoned):
-            return False
+            return handle.task.reuse and self._reuse(handle, seg)
         # Stored by an earlier delivery that died before recording it: record it now, don't re-render.
         data = self._service(lambda: self.storage.get(key), where, stop=self._abandoned)
         try:
@@ -293,6 +292,9 @@ class Pipeline:
         except AudioDecodeError as e:  # never written by us (puts are atomic): render it again over it
             log.warning("%s: stored object is not audio (%s); rendering it again", where, e)
             return False
+        # Not rendered by this run: reported reused (an unchanged book rendered again into the same
+        # folder has the same stable job id and finds every segment here, not in the cache).
+        self._service(lambda: self.jobs.mark_reused(job_id, seg.id), where, stop=self._abandoned)
         self._record(job_id, seg.id, audio_s=audio_s, stop=self._abandoned)
         return True
 
@@ -406,8 +408,15 @@ class Pipeline:
         t0 = time.perf_counter()
         data = encode(result.audio, self.engine.sample_rate, task.format)
         key, cache_key = tag.key, self.cache.key(task, seg)
+        tries = 0
 
         def put() -> None:  # the cache first: stored under the segment's key means cached too
+            nonlocal tries
+            tries += 1
+            # After an outage cut a try short, its write may have landed with only the reply lost:
+            # look before writing again, so the object is written once.
+            if tries > 1 and self.storage.exists(key):
+                return
             self.storage.put(cache_key, data, content_type(task.format))
             self.storage.copy(cache_key, key)
 
