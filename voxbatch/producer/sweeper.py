@@ -74,6 +74,7 @@ class Sweeper:
         self.jobs, self.storage, self.settings = jobs, storage, settings
         self._suspects: dict[str, set[str]] = {}  # job -> segments found nowhere at the last look
         self._assembly_suspects: set[str] = set()
+        self._unreadable: set[str] = set()  # jobs whose spec could not be read, warned about once
 
     def held(self) -> Held:
         queues = (self.settings.render_queue, self.settings.assemble_queue)
@@ -110,7 +111,13 @@ class Sweeper:
                 continue
             from voxbatch.producer.submit import load_spec
 
-            spec = load_spec(self.storage, job_id)
+            try:
+                spec = load_spec(self.storage, job_id)
+            except ValueError as e:  # missing/malformed spec: one unreadable job must not stop the whole sweep
+                if job_id not in self._unreadable:
+                    self._unreadable.add(job_id)
+                    log.warning("sweeper: job %s skipped: %s", job_id, e)
+                continue
             missing = {s.id for s in spec.segments} - accounted
             again = missing & self._suspects.get(job_id, set())
             suspects[job_id] = missing - again
