@@ -54,7 +54,7 @@ class RenderInterrupted(Exception):
 def stable_job_id(spec: JobSpec, engine: str, model_dir: str | None) -> str:
     """Job id from what decides the audio (segments, voice, format, params, engine, model) and the name:
     the same command on the same corpus gets the same id, so it finds what an earlier run stored."""
-    content = spec.model_dump(mode="json", exclude={"id", "created_at", "source"})
+    content = spec.model_dump(mode="json", exclude={"id", "created_at", "source", "cover_key"})
     content["engine"], content["model_dir"] = engine, model_dir
     digest = hashlib.blake2b(json.dumps(content, sort_keys=True).encode(), digest_size=6).hexdigest()
     return f"r{digest}"
@@ -111,7 +111,9 @@ def render_local(path: str | Path | None, out_dir: str | Path, voice: str | None
             raise ValueError("render needs a corpus path and a voice, or a job id to resume")
         spec = plan_job(path, voice, settings, name=name, fmt=fmt, params=params, engine=engine_name, cast=cast,
                         lexicon=lexicon, reuse=reuse, title=title, author=author, progress=on_plan)
-        spec = spec.model_copy(update={"id": stable_job_id(spec, engine_name, settings.model_dir)})
+        job_id = stable_job_id(spec, engine_name, settings.model_dir)
+        cover_key = keys.cover(job_id, spec.cover_key.rsplit(".", 1)[-1]) if spec.cover_key else None
+        spec = spec.model_copy(update={"id": job_id, "cover_key": cover_key})  # the cover moves with the id
     check_voices(storage, spec)
     engine = engine or build_engine(settings)
     check_ready(storage, engine, spec)
