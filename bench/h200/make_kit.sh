@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Builds the kit a device run of the GPU benchmark needs, in .gpu/ (gitignored): the packages the H200
+# image lacks as cp312 wheels (wheels.txt), a redis-server with the libraries the image may lack, this
+# checkout's sources and run.sh. Then a device call carries `.gpu` and runs
+# `bash .gpu/run.sh --stages llm worker engine baseline ...` (the bench's own flags, see BENCHMARKS.md).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+kit=.gpu
+mkdir -p "$kit/whl" "$kit/bin/lib" "$kit/src"
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+  --platform manylinux2014_x86_64 -d "$kit/whl" -r bench/h200/wheels.txt
+cp "$(command -v redis-server)" "$kit/bin/"
+ldd "$(command -v redis-server)" | awk '/=> \//{print $3}' | grep -v -E 'libc\.so|libm\.so|ld-linux' \
+  | xargs -r -I{} cp -L {} "$kit/bin/lib/"
+printf '#!/bin/sh\nd=$(dirname "$0")\nLD_LIBRARY_PATH="$d/lib" exec "$d/redis-server" "$@"\n' > "$kit/bin/redis.sh"
+chmod +x "$kit/bin/redis.sh"
+cp bench/h200/run.sh "$kit/run.sh"
+rm -rf "$kit/src" && mkdir -p "$kit/src" && git archive HEAD | tar -x -C "$kit/src"
+du -sh "$kit"
