@@ -356,3 +356,14 @@ def test_placement_dtypes_follow_settings():
     assert Placement.from_settings(Settings(llm_device="cuda:0", llm_dtype="float32")).llm_dtype == torch.float32
     cpu = Placement.from_settings(Settings(llm_device="cpu", llm_dtype="bfloat16"))
     assert (cpu.llm_dtype, cpu.flow_dtype, cpu.hift_dtype) == (torch.float32,) * 3
+
+
+def test_voice_cache_reloads_a_voice_after_its_ttl():
+    """A voice re-created under its name reaches the engine within the reuse digests' window."""
+    from voxbatch.worker.cosyvoice2.engine import VoiceCache
+
+    loads = []
+    cache = VoiceCache(lambda name: loads.append(name) or len(loads), lambda profile: profile, ttl_s=3600)
+    assert cache.get("a") == cache.get("a") == 1 and loads == ["a"]
+    expiring = VoiceCache(lambda name: loads.append(name) or len(loads), lambda profile: profile, ttl_s=0)
+    assert expiring.get("b") == 2 and expiring.get("b") == 3  # expired at once: loaded again

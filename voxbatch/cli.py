@@ -139,10 +139,6 @@ def _debug() -> bool:
         return False
 
 
-def _settings(**overrides) -> Settings:
-    return load_settings(**overrides)
-
-
 # Bad input (corpus, settings, model directory: `ModelDirError` is a ValueError) or a missing file: a
 # command that wants its own wording for them catches these; anything else reaches `main`.
 INPUT_ERRORS = (ValueError, OSError)
@@ -198,7 +194,7 @@ def submit(path: Path, voice: str = typer.Option(..., help="voice profile name (
     from voxbatch.models import SynthesisParams
     from voxbatch.storage import open_storage
 
-    settings = _settings(output_format=format, model_dir=str(model_dir) if model_dir else None, preset=preset,
+    settings = load_settings(output_format=format, model_dir=str(model_dir) if model_dir else None, preset=preset,
                          epub_all_spine=epub_all_spine)
     options = _script_options(cast, lexicon, no_reuse)
     with _stage_bar() as progress:
@@ -251,7 +247,7 @@ def status(job: str, watch: bool = typer.Option(False, help="progress bar until 
     from voxbatch.storage import open_storage
 
     check_name("job id", job)
-    settings = _settings()
+    settings = load_settings()
     jobs = _jobs(settings)
     s = watch_job(jobs, job, console, settings) if watch else get_status(jobs, job, open_storage(settings))
     console.print(status_table(s, jobs))
@@ -264,7 +260,7 @@ def cancel(job: str):
     """Stop a job: queued segments are skipped, stored ones are kept."""
     from voxbatch.keys import check_name
 
-    jobs = _jobs(_settings())
+    jobs = _jobs(load_settings())
     outcome = jobs.cancel(check_name("job id", job))
     if outcome < 0:
         _fail(f"no job {job!r} in Redis")
@@ -280,7 +276,7 @@ def retry(job: str, queue: Optional[str] = typer.Option(None, help="render queue
     from voxbatch.producer.control import retry_job
     from voxbatch.storage import open_storage
 
-    settings = _settings()
+    settings = load_settings()
     n = retry_job(_jobs(settings), open_storage(settings), settings, check_name("job id", job), queue)
     console.print(f"re-enqueued {n} segment(s) of {escape(job)}")
 
@@ -293,7 +289,7 @@ def fetch(job: str, out: Path = typer.Option(..., help="folder to download the j
 
     from voxbatch.keys import check_name
 
-    storage = open_storage(_settings())
+    storage = open_storage(load_settings())
     storage.check()
     n, skipped = fetch_job(storage, check_name("job id", job), out)
     for problem in skipped:
@@ -311,7 +307,7 @@ def list_jobs(limit: int = typer.Option(50, help="most jobs to list")):
     """List jobs, newest first."""
     from voxbatch.producer.control import jobs_table
 
-    settings = _settings()
+    settings = load_settings()
     console.print(jobs_table(_jobs(settings), limit, settings), crop=False)  # ids stay whole past the width
 
 
@@ -326,7 +322,7 @@ def worker(gpus: Optional[str] = typer.Option(None, help="comma-separated GPU id
     from voxbatch.worker.launcher import run_workers
 
     flags = {"engine": engine, "llm_backend": llm_backend, "model_dir": str(model_dir) if model_dir else None}
-    _settings(**flags)  # validate here, before any process starts
+    load_settings(**flags)  # validate here, before any process starts
     env = {f"VOXBATCH_{k.upper()}": v for k, v in flags.items() if v is not None}
     ids = [g.strip() for g in gpus.split(",") if g.strip()] if gpus else None
     raise typer.Exit(run_workers(ids, concurrency, queues, env_overrides=env))
@@ -343,7 +339,7 @@ def assembler(concurrency: int = typer.Option(2, help="assemble tasks at once"))
     from voxbatch.producer.sweeper import start_sweeper
     from voxbatch.storage import open_storage
 
-    settings = _settings()
+    settings = load_settings()
     configure_celery(settings)
     install_heartbeat(settings.broker_url, settings.task_heartbeat_s)
     start_sweeper(_jobs(settings), open_storage(settings), settings)
@@ -385,7 +381,7 @@ def render(path: Optional[Path] = typer.Argument(None, help="corpus (.txt, .md, 
 
     if path is None and resume is None:
         _fail("render needs a corpus PATH (or --resume JOB)")
-    settings = _settings(engine=engine, llm_backend=llm_backend, model_dir=str(model_dir) if model_dir else None,
+    settings = load_settings(engine=engine, llm_backend=llm_backend, model_dir=str(model_dir) if model_dir else None,
                          output_format=format, storage_url=out.resolve().as_uri(), preset=preset,
                          epub_all_spine=epub_all_spine)
     options = _script_options(cast, lexicon, no_reuse)
@@ -452,7 +448,7 @@ def qc(job: str, out: Optional[Path] = typer.Option(
 
     from voxbatch.keys import check_name
 
-    settings = _settings(storage_url=out.resolve().as_uri() if out else None)
+    settings = load_settings(storage_url=out.resolve().as_uri() if out else None)
     try:
         manifest = load_manifest(open_storage(settings), check_name("job id", job))
     except KeyError:
@@ -483,7 +479,7 @@ def voice_add(name: str, wav: Path = typer.Option(..., help="prompt audio (≤ 3
     from voxbatch.keys import check_name
 
     check_name("voice name", name)
-    settings = _settings(model_dir=str(model_dir) if model_dir else None)
+    settings = load_settings(model_dir=str(model_dir) if model_dir else None)
     if not settings.model_dir:
         _fail("voice add needs the model directory: --model-dir or VOXBATCH_MODEL_DIR")
     storage = open_storage(settings)

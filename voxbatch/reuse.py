@@ -48,11 +48,17 @@ def content_hash(engine_fingerprint: str, voice_digest: str, task: RenderTask, s
     return h.hexdigest()
 
 
+# How long a worker trusts what it read of a voice profile (its digest here, its prepared tensors in the
+# engine's VoiceCache): both re-read after this, so a voice re-created under the same name is picked up
+# by the cache key and by the engine within the same window.
+VOICE_TTL_S = 30.0
+
+
 class VoiceDigests:
     """sha256 of each voice profile's stored bytes, re-read after `ttl_s` so a voice re-created
     under the same name (`voxbatch voice add` again) stops matching its old audio."""
 
-    def __init__(self, storage: Storage, ttl_s: float = 30.0):
+    def __init__(self, storage: Storage, ttl_s: float = VOICE_TTL_S):
         self.storage, self.ttl_s = storage, ttl_s
         self._digests: dict[str, tuple[str, float]] = {}
         self._lock = threading.Lock()

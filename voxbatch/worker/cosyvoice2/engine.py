@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from voxbatch.models import SynthesisParams
+from voxbatch.reuse import VOICE_TTL_S
 from voxbatch.settings import Settings
 from voxbatch.voice import VoiceProfile
 from voxbatch.worker.cosyvoice2.flow import CausalFlow
@@ -90,21 +91,27 @@ class PreparedVoice:
 
 
 class VoiceCache:
-    """LRU of prepared voices; a miss loads the profile through `load` (storage) once."""
+    """LRU of prepared voices; a miss loads the profile through `load` (storage) once. Entries expire
+    after `ttl_s` (the same window as the reuse digests), so a voice re-created under its name is
+    not rendered from its old profile while the cache key already names the new one."""
 
-    def __init__(self, load: Callable[[str], VoiceProfile], prepare: Callable[[VoiceProfile], PreparedVoice], size: int = 32):
-        self._load, self._prepare, self._size = load, prepare, size
-        self._voices: OrderedDict[str, PreparedVoice] = OrderedDict()
+    def __init__(self, load: Callable[[str], VoiceProfile], prepare: Callable[[VoiceProfile], PreparedVoice],
+                 size: int = 32, ttl_s: float = VOICE_TTL_S):
+        self._load, self._prepare, self._size, self._ttl_s = load, prepare, size, ttl_s
+        self._voices: OrderedDict[str, tuple[PreparedVoice, float]] = OrderedDict()
         self._lock = threading.Lock()
 
     def get(self, name: str) -> PreparedVoice:
+        now = time.monotonic()
         with self._lock:
-            if name in self._voices:
+            hit = self._voices.get(name)
+            if hit is not None and now - hit[1] < self._ttl_s:
                 self._voices.move_to_end(name)
-                return self._voices[name]
+                return hit[0]
         voice = self._prepare(self._load(name))
         with self._lock:
-            self._voices[name] = voice
+            self._voices[name] = (voice, now)
+            self._voices.move_to_end(name)
             while len(self._voices) > self._size:
                 self._voices.popitem(last=False)
         return voice
