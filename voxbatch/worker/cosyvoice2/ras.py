@@ -1,45 +1,55 @@
-"""Repetition-aware sampling (RAS) computed exactly inside vLLM, as a logits processor.
+"""Repetition-aware sampling (RAS) inside vLLM: the torch backend's batched sampler as a logits processor.
 
-The official sampler (CosyVoice `ras_sampling`) is two-step: draw t from the nucleus distribution
-q (softmax, sorted descending with a stable sort, keep tokens while the running mass before them is
-< top_p and fewer than top_k are kept, renormalize); if t occurs at least `win_size * tau_r` times in
-the last `win_size` decoded tokens, throw it away and draw again from the full softmax p. So the
-token comes from the closed-form mixture
+The processor draws every row's token itself with `sampling.sample_tokens`, the batched tensor code
+the torch backend runs inside its CUDA graph (eos masked before min_tokens, the official two-step RAS
+or argmax, uniforms hashed from (seed, decoded count)), and hands vLLM a one-hot row: 0 at the drawn
+token, -inf elsewhere. The backend sends every request greedy (temperature 0, no vLLM seed), so
+vLLM's sampler only takes that argmax. Why not write log P and let vLLM draw: a seeded request gets
+its own torch.Generator in vLLM, and its sampler draws for those one request at a time (256 small
+kernels a step at 256 rows); and the same seed now gives the same tokens as the torch backend
+wherever the logits agree.
 
-    P(x) = q(x) * [x not in R] + q(R) * p(x),    R = tokens repeated >= win_size * tau_r times.
+Per-request state lives in preallocated device tensors, one row per batch row (V1) or request slot
+(V2): seed key, top_p/top_k/win_size/tau_r, greedy, min_tokens, and (V1) the decoded count and the
+last `WINDOW` tokens. `apply` is tensor operations over all rows with no host sync and no Python
+loop over requests; the host touches the tensors only when requests join, leave or move, once per
+such step (one packed host-to-device copy).
 
-The processor writes log P as the logits, so vLLM's own sampler (temperature 1, no top-k/top-p,
-per-request seed) draws exactly from P. Before `min_tokens` decoded tokens the eos logit is -inf, as
-the official `sampling_ids` does (only eos, not the other two stop ids). Greedy requests get the
-eos mask only, so argmax matches the official greedy path.
-
-Per-request settings travel in `SamplingParams.extra_args[EXTRA_ARGS_KEY]` (see `ras_extra_args`).
 vLLM has two logits-processor interfaces: the V1 model runner's (`vllm.v1.sample.logits_processor`,
-persistent batch + `BatchUpdate`) and Model Runner V2's (`vllm.v1.worker.gpu.sample.logits_processor`,
-request slots + on-device token history, 0.3x). `RasLogitsProcessor` implements the first and
-`RasLogitsProcessorV2` (defined when that interface exists) the second; the backend picks the one
-its engine uses.
+persistent batch + `BatchUpdate`; what vLLM 0.26 runs) and Model Runner V2's
+(`vllm.v1.worker.gpu.sample.logits_processor`, request slots + on-device token history, 0.3x).
+`RasLogitsProcessor` implements the first: it keeps each row's window and decoded count itself,
+advanced in `apply` by the token it draws, which is exact because every row it sees is sampled and
+kept (the backend turns chunked prefill off, checked in `__init__`). `RasLogitsProcessorV2`
+(defined when that interface exists) implements the second and reads the window from vLLM's
+history instead.
+
+Per-request settings travel in `SamplingParams.extra_args[EXTRA_ARGS_KEY]` (see `ras_extra_args`);
+the eos id is the engine's, read from the exported model config.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+from torch import Tensor
 from vllm.sampling_params import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 from vllm.v1.sample.logits_processor import LogitsProcessor as V1LogitsProcessor
 
 from voxbatch.models import RAS_TAU_R, RAS_TOP_K, RAS_TOP_P, RAS_WIN_SIZE
+from voxbatch.worker.cosyvoice2.sampling import sample_tokens, seed_keys
+from voxbatch.worker.cosyvoice2.vllm_export import SPEECH_TOKEN_SIZE_KEY
 
 EXTRA_ARGS_KEY = "cosyvoice2_ras"
+WINDOW = 64  # largest win_size a request may use: columns of the per-row recent-token window
 
 
 @dataclass(frozen=True)
 class RasParams:
-    eos_id: int  # speech_token_size
+    seed: int  # the request's seed: same seed, same tokens (as in the torch backend)
     min_tokens: int  # eos masked while fewer tokens than this were decoded
     top_p: float = RAS_TOP_P
     top_k: int = RAS_TOP_K
@@ -47,20 +57,14 @@ class RasParams:
     tau_r: float = RAS_TAU_R
     greedy: bool = False
 
-    @property
-    def rep_threshold(self) -> int:
-        # count >= win_size * tau_r (a float, compared in double in the official code) is the same
-        # as count >= ceil(win_size * tau_r) for integer counts.
-        return max(0, math.ceil(self.win_size * self.tau_r))
-
     @classmethod
     def from_sampling_params(cls, sp: SamplingParams) -> RasParams | None:
         args = (sp.extra_args or {}).get(EXTRA_ARGS_KEY)
         if args is None:
             return None
         p = cls(**args)
-        if not (0.0 < p.top_p <= 1.0) or p.top_k < 1 or p.win_size < 1 or p.tau_r < 0 or p.min_tokens < 0:
-            raise ValueError(f"{EXTRA_ARGS_KEY}: invalid settings {args}")
+        if not (0.0 < p.top_p <= 1.0) or p.top_k < 1 or not 1 <= p.win_size <= WINDOW or p.tau_r < 0 or p.min_tokens < 0:
+            raise ValueError(f"{EXTRA_ARGS_KEY}: invalid settings {args} (win_size at most {WINDOW})")
         return p
 
 
@@ -69,117 +73,161 @@ def ras_extra_args(params: RasParams) -> dict[str, Any]:
     return {EXTRA_ARGS_KEY: asdict(params)}
 
 
-def ras_logits(
-    logits: torch.Tensor,  # (R, V) float32 raw logits
-    window: torch.Tensor,  # (R, W) int64, the last win_size decoded tokens, -1 where empty
-    top_p: torch.Tensor,  # (R,) float32
-    top_k: torch.Tensor,  # (R,) int64
-    rep_threshold: torch.Tensor,  # (R,) float32, integer valued
-    mask_eos: torch.Tensor,  # (R,) bool: fewer than min_tokens decoded
-    greedy: torch.Tensor,  # (R,) bool
-    eos_id: int,
-) -> torch.Tensor:
-    """log P of the RAS mixture per row (greedy rows: the eos-masked logits). (R, V) float32."""
-    R, V = logits.shape
-    col = torch.arange(V, device=logits.device)
-    eos_col = (col == eos_id).unsqueeze(0)  # (1, V)
-    scores = logits.masked_fill(mask_eos.unsqueeze(1) & eos_col, float("-inf"))
-
-    p = scores.softmax(dim=-1)  # (R, V) the full distribution of the fallback draw
-    sorted_p, order = p.sort(dim=-1, descending=True, stable=True)  # (R, V)
-    # Running mass before each token: the official loop's sequential sum, shifted by one.
-    mass_before = torch.nn.functional.pad(torch.cumsum(sorted_p, dim=-1)[:, :-1], (1, 0))
-    rank = col.unsqueeze(0)  # (1, V)
-    keep = (mass_before < top_p.unsqueeze(1)) & (rank < top_k.unsqueeze(1))
-    q_sorted = sorted_p * keep
-    q_sorted = q_sorted / q_sorted.sum(dim=-1, keepdim=True)
-    q = torch.zeros_like(p).scatter_(1, order, q_sorted)  # (R, V) nucleus distribution
-
-    counts = torch.zeros_like(p).scatter_add_(1, window.clamp(min=0), (window >= 0).to(p.dtype))  # (R, V)
-    repeated = counts >= rep_threshold.unsqueeze(1)  # (R, V)
-    rejected_mass = (q * repeated).sum(dim=-1, keepdim=True)  # (R, 1)
-    mixture = q.masked_fill(repeated, 0.0) + rejected_mass * p
-    return torch.where(greedy.unsqueeze(1), scores, mixture.log())
+def engine_eos_id(vllm_config: Any) -> int:
+    """The eos id (speech_token_size) the exported model config carries."""
+    return int(getattr(vllm_config.model_config.hf_config, SPEECH_TOKEN_SIZE_KEY))
 
 
-class _Batch:
-    """Tensors for the rows of one step, built on the host and moved once."""
-
-    def __init__(self, params: list[RasParams], windows: list[list[int]], decoded: list[int], device: torch.device):
-        W = max(p.win_size for p in params)
-        win = torch.full((len(params), W), -1, dtype=torch.int64)  # (R, W)
-        for i, (p, toks) in enumerate(zip(params, windows)):
-            recent = toks[-p.win_size :]
-            recent = [t for t in recent if t >= 0]  # async placeholders (-1) never count
-            if recent:
-                win[i, : len(recent)] = torch.tensor(recent, dtype=torch.int64)
-        self.window = win.to(device, non_blocking=True)
-        self.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32).to(device)
-        self.top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64).to(device)
-        self.rep_threshold = torch.tensor([float(p.rep_threshold) for p in params], dtype=torch.float32).to(device)
-        self.mask_eos = torch.tensor([n < p.min_tokens for p, n in zip(params, decoded)]).to(device)
-        self.greedy = torch.tensor([p.greedy for p in params]).to(device)
+# Columns of the int64 table: settings, then the V1 decoding state, then the window (oldest first).
+_KEY, _TOP_K, _WIN, _GREEDY, _MIN_TOKENS, _ACTIVE, _N_DECODED, _RECENT = range(8)
+# Columns of the float32 table.
+_TOP_P, _TAU_R = range(2)
 
 
-def _apply_rows(logits: torch.Tensor, rows: list[int], batch: _Batch, eos_ids: set[int]) -> torch.Tensor:
-    idx = torch.tensor(rows, dtype=torch.int64, device=logits.device)
-    out = ras_logits(
-        logits.index_select(0, idx).float(),
-        batch.window,
-        batch.top_p,
-        batch.top_k,
-        batch.rep_threshold,
-        batch.mask_eos,
-        batch.greedy,
-        _one_eos(eos_ids),
-    )
-    logits.index_copy_(0, idx, out.to(logits.dtype))
-    return logits
+class RowTable:
+    """Per-row RAS settings and decoding state in two preallocated device tensors.
+
+    ints (N, 7 + W) int64: seed key, top_k, win_size, greedy, min_tokens, active, decoded count, the
+    last W decoded tokens (oldest first, -1 where fewer); floats (N, 2) float32: top_p, tau_r. Rows
+    are written in groups: `stage` collects on the host, `flush` writes them with one packed copy.
+    """
+
+    def __init__(self, rows: int, window: int, device: torch.device | str, pin_memory: bool = False):
+        self.rows, self.window, self.device, self.pin_memory = rows, window, torch.device(device), pin_memory
+        self.ints = torch.zeros((rows, _RECENT + window), dtype=torch.int64, device=device)  # (N, 7 + W)
+        self.ints[:, _RECENT:] = -1
+        self.floats = torch.ones((rows, 2), dtype=torch.float32, device=device)  # (N, 2)
+        self.live: set[int] = set()  # rows holding a RAS request (host mirror of the active column)
+        self._staged: dict[int, tuple[RasParams, list[int]] | None] = {}
+
+    def stage(self, row: int, params: RasParams | None, decoded: list[int] = ()) -> None:
+        """Row `row` now holds a request with `params` that has decoded `decoded` (None: no RAS request)."""
+        self._staged[row] = None if params is None else (params, list(decoded))
+        if params is None:
+            self.live.discard(row)
+        else:
+            self.live.add(row)
+
+    def flush(self) -> None:
+        """Write the staged rows: one host-to-device copy per table."""
+        if not self._staged:
+            return
+        rows = list(self._staged)
+        W = self.window
+        ints = torch.zeros((len(rows), _RECENT + W), dtype=torch.int64)  # (n, 7 + W)
+        ints[:, _RECENT:] = -1
+        floats = torch.ones((len(rows), 2), dtype=torch.float32)
+        entries = [(i, e) for i, e in enumerate(self._staged.values()) if e is not None]
+        if entries:
+            at = torch.tensor([i for i, _ in entries])
+            ints[at, _KEY] = seed_keys([p.seed for _, (p, _) in entries], "cpu")
+            ints[at, _TOP_K:_ACTIVE + 1] = torch.tensor([[p.top_k, p.win_size, int(p.greedy), p.min_tokens, 1] for _, (p, _) in entries])
+            ints[at, _N_DECODED] = torch.tensor([len(d) for _, (_, d) in entries])
+            floats[at] = torch.tensor([[p.top_p, p.tau_r] for _, (p, _) in entries], dtype=torch.float32)
+            for i, (_, decoded) in entries:  # resumed requests only (new ones have decoded nothing)
+                recent = [t for t in decoded[-W:] if t >= 0]  # async placeholders (-1) never count
+                if recent:
+                    ints[i, _RECENT + W - len(recent) :] = torch.tensor(recent)
+        self._staged.clear()
+        index = self._to_device(torch.tensor(rows))
+        self.ints.index_copy_(0, index, self._to_device(ints))
+        self.floats.index_copy_(0, index, self._to_device(floats))
+
+    def move(self, moves: list[tuple[int, int, bool]]) -> None:
+        """Apply vLLM's moves in order, (src, dst, swap), as one gather: row dst takes row src's state
+        (and with swap, src takes dst's); a one-way move leaves src empty."""
+        source: dict[int, int | None] = {}  # destination row -> the row its state comes from (None: empty)
+        for a, b, swap in moves:
+            sa, sb = source.get(a, a), source.get(b, b)
+            source[b] = sa
+            source[a] = sb if swap else None
+            live_a, live_b = a in self.live, b in self.live
+            self.live.discard(a), self.live.discard(b)
+            if live_a:
+                self.live.add(b)
+            if swap and live_b:
+                self.live.add(a)
+        moved = {d: s for d, s in source.items() if s is not None and s != d}
+        if moved:
+            dst = self._to_device(torch.tensor(list(moved)))
+            src = self._to_device(torch.tensor(list(moved.values())))
+            self.ints.index_copy_(0, dst, self.ints.index_select(0, src))
+            self.floats.index_copy_(0, dst, self.floats.index_select(0, src))
+        emptied = [d for d, s in source.items() if s is None]
+        if emptied:
+            self.ints[self._to_device(torch.tensor(emptied)), _ACTIVE] = 0
+
+    def _to_device(self, t: Tensor) -> Tensor:
+        if self.device.type == "cpu":
+            return t
+        # Pinned staging, copied without blocking the host (no sync with the queued GPU work).
+        return (t.pin_memory() if self.pin_memory else t).to(self.device, non_blocking=self.pin_memory)
+
+    # -- views ---------------------------------------------------------------------------------------
+
+    def settings(self, ints: Tensor, floats: Tensor) -> dict[str, Tensor]:
+        """`sample_tokens` keyword arguments from gathered table rows ints (R, 7 + W), floats (R, 2)."""
+        return dict(
+            keys=ints[:, _KEY],
+            top_p=floats[:, _TOP_P],
+            top_k=ints[:, _TOP_K],
+            win_size=ints[:, _WIN],
+            tau_r=floats[:, _TAU_R],
+            greedy=ints[:, _GREEDY].bool(),
+            min_tokens=ints[:, _MIN_TOKENS],
+        )
+
+
+def _one_hot(logits: Tensor, tok: Tensor, active: Tensor) -> Tensor:
+    """logits (R, V) with each active row replaced by 0 at tok (R,) and -inf elsewhere, in place."""
+    pick = torch.full_like(logits, float("-inf")).scatter_(1, tok[:, None], 0.0)  # (R, V)
+    return logits.copy_(torch.where(active[:, None], pick, logits))
 
 
 class RasLogitsProcessor(V1LogitsProcessor):
-    """RAS for vLLM's V1 model runner (persistent batch; rows = batch indices)."""
+    """RAS for vLLM's V1 model runner (persistent batch; table rows = batch rows)."""
 
     @classmethod
     def validate_params(cls, sampling_params: SamplingParams) -> None:
         RasParams.from_sampling_params(sampling_params)
 
     def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
-        self.device = device
-        # batch index -> (settings, live list of the request's decoded tokens)
-        self.rows: dict[int, tuple[RasParams, list[int]]] = {}
+        if vllm_config.scheduler_config.enable_chunked_prefill:
+            # A row in the middle of a chunked prompt is sampled and its token thrown away; the
+            # processor would count it as decoded.
+            raise ValueError(f"{type(self).__name__} needs chunked prefill off")
+        self.eos_id = engine_eos_id(vllm_config)
+        self.table = RowTable(vllm_config.scheduler_config.max_num_seqs, WINDOW, device, is_pin_memory)
 
     def is_argmax_invariant(self) -> bool:
-        return False  # the eos mask changes greedy picks
+        return False  # it picks the token
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         if batch_update is None:
             return
         for index in batch_update.removed:
-            self.rows.pop(index, None)
+            self.table.stage(index, None)
         for added in batch_update.added:
-            index, params, output_ids = added[0], added[1], added[-1]  # tuple grew a field in 0.11
+            index, params, output_ids = added[0], added[1], added[-1]  # the tuple grew a field in 0.11
             ras = RasParams.from_sampling_params(params) if isinstance(params, SamplingParams) else None
-            if ras is None:
-                self.rows.pop(index, None)
-            else:
-                self.rows[index] = (ras, output_ids)
-        for a, b, direction in batch_update.moved:
-            ra, rb = self.rows.pop(a, None), self.rows.pop(b, None)
-            if ra is not None:
-                self.rows[b] = ra
-            if direction == MoveDirectionality.SWAP and rb is not None:
-                self.rows[a] = rb
+            self.table.stage(index, ras, output_ids)
+        self.table.flush()  # added rows are in place before they move
+        if batch_update.moved:
+            self.table.move([(a, b, d == MoveDirectionality.SWAP) for a, b, d in batch_update.moved])
 
-    def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        if not self.rows:
+    def apply(self, logits: Tensor) -> Tensor:
+        if not self.table.live:
             return logits
-        rows = sorted(i for i in self.rows if i < logits.shape[0])
-        params = [self.rows[i][0] for i in rows]
-        outputs = [self.rows[i][1] for i in rows]
-        decoded = [len(o) for o in outputs]
-        batch = _Batch(params, outputs, decoded, logits.device)
-        return _apply_rows(logits, rows, batch, {p.eos_id for p in params})
+        B = min(logits.shape[0], self.table.rows)
+        ints, floats = self.table.ints[:B], self.table.floats[:B]  # (B, 7 + W), (B, 2) views
+        n_decoded, recent = ints[:, _N_DECODED], ints[:, _RECENT:]
+        tok = sample_tokens(logits[:B], n_decoded=n_decoded, recent=recent, eos_id=self.eos_id, **self.table.settings(ints, floats))
+        active = ints[:, _ACTIVE].bool()
+        # Every row's token is kept (no chunked prefill), so each active row has decoded one more.
+        n_decoded.add_(active.long())
+        recent.copy_(torch.where(active[:, None], torch.cat([recent[:, 1:], tok[:, None]], dim=1), recent))
+        _one_hot(logits[:B], tok, active)
+        return logits
 
 
 try:  # Model Runner V2's interface (vLLM 0.3x); absent in older releases
@@ -195,11 +243,12 @@ except ImportError:
 else:
 
     class RasLogitsProcessorV2(V2LogitsProcessor):  # type: ignore[no-redef]
-        """RAS for Model Runner V2 (request slots; token history on device)."""
+        """RAS for Model Runner V2 (table rows = request slots; token history on device)."""
 
         def __init__(self, vllm_config: Any, req_states: LogitsProcRequestState) -> None:
             self.req_states = req_states
-            self.slots: dict[int, RasParams] = {}
+            self.eos_id = engine_eos_id(vllm_config)
+            self.table = RowTable(req_states.max_num_reqs, WINDOW, req_states.device, pin_memory=req_states.device.type == "cuda")
 
         @classmethod
         def validate_params(cls, sampling_params: SamplingParams) -> None:
@@ -207,59 +256,28 @@ else:
 
         def add_request(self, req_idx: int, sampling_params: SamplingParams) -> bool:
             ras = RasParams.from_sampling_params(sampling_params)
-            if ras is None:
-                self.slots.pop(req_idx, None)
-                return False
-            self.slots[req_idx] = ras
-            return True
+            self.table.stage(req_idx, ras)
+            return ras is not None
 
-        def apply(self, logits: torch.Tensor, ctx: LogitsContext) -> torch.Tensor:
-            if not self.slots:
+        def apply_staged_writes(self) -> None:
+            self.table.flush()
+
+        def apply(self, logits: Tensor, ctx: LogitsContext) -> Tensor:
+            self.table.flush()  # no-op when the runner already called apply_staged_writes
+            if not self.table.live:
                 return logits
-            # Row -> slot on the host: idx_mapping_np when rows are requests (no speculative
-            # decoding), else one device->host copy.
-            if len(ctx.idx_mapping_np) == logits.shape[0]:
-                slot_of_row = ctx.idx_mapping_np.tolist()
-            else:
-                slot_of_row = ctx.expanded_idx_mapping.tolist()
-            rows = [r for r, s in enumerate(slot_of_row) if s in self.slots]
-            if not rows:
-                return logits
-            params = [self.slots[slot_of_row[r]] for r in rows]
-            dev = logits.device
-            row_idx = torch.tensor(rows, dtype=torch.int64, device=dev)
-            slots = ctx.expanded_idx_mapping.index_select(0, row_idx).long()  # (R,)
-            pos = ctx.pos.index_select(0, row_idx).long()  # (R,) position of the token fed this step
+            W = self.table.window
+            slots = ctx.expanded_idx_mapping.long()  # (R,) row -> request slot
+            pos = ctx.pos.long()  # (R,) position of the token fed this step
             prompt_len = self.req_states.prompt_len.gpu.index_select(0, slots).long()  # (R,)
-            # Decoded tokens so far: positions prompt_len .. pos (the token at `pos` is this step's
-            # input; it is read from input_ids, older ones from the committed history).
-            decoded = (pos + 1 - prompt_len).clamp(min=0)  # (R,)
-            W = max(p.win_size for p in params)
-            back = torch.arange(W, device=dev).unsqueeze(0)  # (1, W): 0 = newest
-            where = pos.unsqueeze(1) - back  # (R, W) positions of the window
-            win_size = torch.tensor([p.win_size for p in params], device=dev).unsqueeze(1)
-            valid = (where >= prompt_len.unsqueeze(1)) & (back < win_size)
+            # Decoded so far: positions prompt_len .. pos (the token at `pos` is this step's input;
+            # it comes from input_ids, older ones from the committed history).
+            n_decoded = (pos + 1 - prompt_len).clamp(min=0)  # (R,)
+            where = pos[:, None] - torch.arange(W - 1, -1, -1, device=pos.device)[None, :]  # (R, W) oldest first
             history = self.req_states.all_token_ids.gpu  # (max_reqs, max_model_len)
-            tokens = history[slots.unsqueeze(1), where.clamp(min=0)]  # (R, W)
-            newest = ctx.input_ids.index_select(0, row_idx).long()  # (R,)
-            tokens[:, 0] = newest
-            window = torch.where(valid, tokens.long(), torch.full_like(tokens.long(), -1))
-            min_tokens = torch.tensor([p.min_tokens for p in params], device=dev)
-            out = ras_logits(
-                logits.index_select(0, row_idx).float(),
-                window,
-                torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev),
-                torch.tensor([p.top_k for p in params], dtype=torch.int64, device=dev),
-                torch.tensor([float(p.rep_threshold) for p in params], dtype=torch.float32, device=dev),
-                decoded < min_tokens,
-                torch.tensor([p.greedy for p in params], device=dev),
-                _one_eos({p.eos_id for p in params}),
-            )
-            logits.index_copy_(0, row_idx, out.to(logits.dtype))
-            return logits
-
-
-def _one_eos(eos_ids: set[int]) -> int:
-    if len(eos_ids) != 1:
-        raise ValueError(f"{EXTRA_ARGS_KEY}: requests of one engine must share eos_id, got {sorted(eos_ids)}")
-    return next(iter(eos_ids))
+            tokens = history[slots[:, None], where.clamp(min=0)].long()  # (R, W)
+            tokens[:, -1] = ctx.input_ids.long()
+            recent = torch.where(where >= prompt_len[:, None], tokens, -1)
+            ints, floats = self.table.ints.index_select(0, slots), self.table.floats.index_select(0, slots)
+            tok = sample_tokens(logits, n_decoded=n_decoded, recent=recent, eos_id=self.eos_id, **self.table.settings(ints, floats))
+            return _one_hot(logits, tok, ints[:, _ACTIVE].bool())

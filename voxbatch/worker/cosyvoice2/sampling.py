@@ -12,8 +12,11 @@ The batched version (`ras_sample`) does both draws for every row with no host sy
 row's own decoded count, computed with integer ops on the device (same bits on CPU and GPU), so a
 row's draws depend on its own seed and step only, never on its batch neighbours. (Its tokens are then
 batch-independent wherever the logits are: exactly so in fp32; bf16 GEMMs round differently for
-different batch shapes.) `OfficialRas` instead replays the official torch-RNG draws for one sequence (bit-exact
-parity with the reference tokens); it syncs every step and is for tests only.
+different batch shapes.) Both LLM backends draw with `sample_tokens`: the torch backend inside its
+decode graph, the vLLM backend in its logits processor (ras.py), so a seed gives the same tokens in
+either. `ras_log_probs` is the closed form of the distribution one step draws from. `OfficialRas`
+instead replays the official torch-RNG draws for one sequence (bit-exact parity with the reference
+tokens); it syncs every step and is for tests only.
 """
 
 from __future__ import annotations
@@ -162,6 +165,44 @@ def sample_tokens(
     u2 = uniforms(keys, n_decoded, _DRAW_FULL)
     drawn = ras_sample(logp, recent, u1, u2, top_p, top_k, win_size, tau_r)
     return torch.where(greedy, logp.argmax(dim=-1), drawn)
+
+
+def ras_log_probs(
+    logits: Tensor,  # (R, V) float32 raw logits
+    window: Tensor,  # (R, W) int64, the last win_size decoded tokens, -1 where empty
+    top_p: Tensor,  # (R,) float32
+    top_k: Tensor,  # (R,) int64
+    rep_threshold: Tensor,  # (R,) float32, integer valued: ceil(win_size * tau_r)
+    mask_eos: Tensor,  # (R,) bool: fewer than min_tokens decoded
+    greedy: Tensor,  # (R,) bool
+    eos_id: int,
+) -> Tensor:
+    """log P of one RAS step in closed form per row (greedy rows: the eos-masked logits). (R, V) float32.
+
+    The two-step sampler draws from the mixture
+        P(x) = q(x) * [x not in R] + q(R) * p(x),    R = tokens repeated >= win_size * tau_r times,
+    q the nucleus distribution, p the full softmax. Tests check samplers against it.
+    """
+    R, V = logits.shape
+    col = torch.arange(V, device=logits.device)
+    eos_col = (col == eos_id).unsqueeze(0)  # (1, V)
+    scores = logits.masked_fill(mask_eos.unsqueeze(1) & eos_col, float("-inf"))
+
+    p = scores.softmax(dim=-1)  # (R, V) the full distribution of the fallback draw
+    sorted_p, order = p.sort(dim=-1, descending=True, stable=True)  # (R, V)
+    # Running mass before each token: the official loop's sequential sum, shifted by one.
+    mass_before = torch.nn.functional.pad(torch.cumsum(sorted_p, dim=-1)[:, :-1], (1, 0))
+    rank = col.unsqueeze(0)  # (1, V)
+    keep = (mass_before < top_p.unsqueeze(1)) & (rank < top_k.unsqueeze(1))
+    q_sorted = sorted_p * keep
+    q_sorted = q_sorted / q_sorted.sum(dim=-1, keepdim=True)
+    q = torch.zeros_like(p).scatter_(1, order, q_sorted)  # (R, V) nucleus distribution
+
+    counts = torch.zeros_like(p).scatter_add_(1, window.clamp(min=0), (window >= 0).to(p.dtype))  # (R, V)
+    repeated = counts >= rep_threshold.unsqueeze(1)  # (R, V)
+    rejected_mass = (q * repeated).sum(dim=-1, keepdim=True)  # (R, 1)
+    mixture = q.masked_fill(repeated, 0.0) + rejected_mass * p
+    return torch.where(greedy.unsqueeze(1), scores, mixture.log())
 
 
 class BatchSampler:

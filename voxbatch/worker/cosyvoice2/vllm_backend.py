@@ -3,8 +3,9 @@
 Each request enters the engine as prompt embeddings `[sos, embed(prompt_text ++ text), task_id,
 speech_embed(prompt_speech)]`, built here on CPU from `llm.pt`'s own tables (no tokenizer in the
 engine). vLLM then decodes speech tokens with the model class of `vllm_model.py`, and
-`ras.RasLogitsProcessor` turns each step's logits into the log of the official RAS distribution, so
-vLLM's seeded sampler draws exactly what the official two-step sampler would (in distribution).
+`ras.RasLogitsProcessor` draws each step's tokens for the whole batch with the torch backend's
+sampler (the official two-step RAS, in distribution; the same tokens as the torch backend for the
+same seed) and hands vLLM one-hot logits, which vLLM's greedy sampler takes as they are.
 
 One scheduler: a single driver thread owns the engine and runs the `add_request` / `step()` loop.
 `generate()` calls from any thread hand their requests to it and receive each result as its request
@@ -67,6 +68,7 @@ class VllmOptions:
     kv_cache_bytes_cpu: int = 256 * 2**20  # KV cache size on CPU (vLLM's CPU default is GiBs)
     export_cache_dir: str | None = None  # where the vLLM folder goes (default: see vllm_export)
     dtype: str | None = None  # "float32" / "bfloat16"; None: float32 on CPU, bfloat16 on GPU (parity checks ask float32)
+    max_prefill_tokens: int | None = None  # prompt positions one engine step takes (at least max_model_len); None: 2048 on CPU, 8192 on GPU
 
 
 class _Job:
@@ -126,8 +128,12 @@ class VllmLlmBackend(LlmBackend):
     # -- the caller side ---------------------------------------------------------------------------
 
     def generate(self, requests: list[LlmRequest]) -> Iterator[LlmResult]:
+        from voxbatch.worker.cosyvoice2.ras import WINDOW
+
         for i, r in enumerate(requests):
             self.embedder.check(i, r)
+            if r.win_size > WINDOW:
+                raise ValueError(f"request {i}: win_size {r.win_size} above the backend's window {WINDOW}")
             prompt_len = len(r.text_tokens) + len(r.prompt_speech_tokens) + 2
             if prompt_len + r.max_tokens > self.options.max_model_len:
                 raise ValueError(
@@ -165,7 +171,7 @@ class VllmLlmBackend(LlmBackend):
         from voxbatch.worker.cosyvoice2.ras import RasParams, ras_extra_args
 
         ras = RasParams(
-            eos_id=self.dims.speech_token_size,
+            seed=r.seed,
             min_tokens=r.min_tokens,
             top_p=r.top_p,
             top_k=r.top_k,
@@ -173,11 +179,12 @@ class VllmLlmBackend(LlmBackend):
             tau_r=r.tau_r,
             greedy=r.greedy,
         )
-        # min_tokens stays 0 in vLLM: its own min_tokens would mask all stop ids, the official only eos.
+        # The processor picks the token (RAS or argmax) and leaves one finite logit: vLLM samples
+        # greedily, with no per-request generator of its own. min_tokens stays 0 in vLLM: its own
+        # would mask all stop ids, the official only eos (the processor does that).
         return SamplingParams(
             n=1,
-            temperature=0.0 if r.greedy else 1.0,
-            seed=None if r.greedy else r.seed,
+            temperature=0.0,
             max_tokens=r.max_tokens,
             stop_token_ids=list(self.dims.stop_ids),
             detokenize=False,
@@ -286,13 +293,13 @@ def _build_engine(folder: Path, options: VllmOptions) -> tuple[Any, torch.dtype]
         disable_log_stats=True,
         seed=0,
     )
+    # Whole prompts only: the RAS processor advances each row's window and decoded count by the token
+    # it draws, so every row it sees must be a sampled step that vLLM keeps; a row in the middle of a
+    # chunked prompt is not. A step then takes whole prompts up to max_num_batched_tokens.
+    kwargs["enable_chunked_prefill"] = False
+    kwargs["max_num_batched_tokens"] = max(options.max_model_len, options.max_prefill_tokens or (2048 if on_cpu else 8192))
     if on_cpu:
         kwargs["kv_cache_memory_bytes"] = options.kv_cache_bytes_cpu
-        # A prompt split over two steps (chunked prefill) makes vLLM's CPU sampler advance a seeded
-        # request's generator by offset, which the CPU generator refuses ("CPU Generator does not use
-        # offset"): a batch of long seeded prompts failed whole. Whole prompts only, on CPU.
-        kwargs["enable_chunked_prefill"] = False
-        kwargs["max_num_batched_tokens"] = max(options.max_model_len, 2048)
     else:
         kwargs["gpu_memory_utilization"] = options.gpu_memory_utilization
     vllm_config = EngineArgs(**kwargs).create_engine_config()

@@ -30,6 +30,7 @@ EXPORTER_VERSION = 1
 ARCHITECTURE = "CosyVoice2SpeechLM"  # registered with vLLM by voxbatch.worker.cosyvoice2.vllm_model.register()
 STAMP_FILE = "voxbatch_export.json"
 FOLDER_NAME = "voxbatch_vllm"  # not "vllm": the official code writes its own export there
+SPEECH_TOKEN_SIZE_KEY = "cosyvoice2_speech_token_size"  # config.json key: the eos id the RAS processor reads
 
 # Official llm.pt names -> names in the exported folder (HF Qwen2ForCausalLM layout, so vLLM's own
 # Qwen2 loader stacks q/k/v and gate/up). The text embedding and llm_embedding stay out: the backend
@@ -75,7 +76,7 @@ def _hf_config(model_dir: Path, dims: LlmDims) -> dict[str, object]:
         torch_dtype="float32",
         bos_token_id=s,  # unused (prompts come as embeddings); kept inside the vocabulary
         eos_token_id=s,
-        cosyvoice2_speech_token_size=s,
+        **{SPEECH_TOKEN_SIZE_KEY: s},
     )
     return cfg
 
