@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from voxbatch.worker.cosyvoice2.checkpoint import ModelDirError, check_keys, load_state_dict, read_config, section
+from voxbatch.worker.cosyvoice2.checkpoint import ModelDirError, check_keys, empty_init, load_state_dict, read_config, section
 
 
 @dataclass(frozen=True)
@@ -516,7 +516,7 @@ def load_hift(
     dims = HiftDims.from_config(read_config(model_dir))
     name = str(Path(model_dir) / "hift.pt")
     sd = convert_state_dict(state_dict if state_dict is not None else load_state_dict(model_dir, "hift.pt"))
-    with torch.device("meta"):
+    with empty_init():  # weights read on the host: folding the weight norm there keeps the numbers as they were
         model = HiFTGenerator(dims)
     check_keys(name, set(sd), set(model.state_dict()))
     try:

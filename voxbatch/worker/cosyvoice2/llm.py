@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from voxbatch.model_files import QWEN_DIR
-from voxbatch.worker.cosyvoice2.checkpoint import ModelDirError, check_keys, load_state_dict, read_config, section
+from voxbatch.worker.cosyvoice2.checkpoint import ModelDirError, check_keys, empty_init, load_state_dict, read_config, section
 
 SOS, TASK_ID = 0, 1  # rows of `llm_embedding`
 
@@ -256,11 +256,12 @@ class CosyVoice2LM(nn.Module):
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> CosyVoice2LM:
-        """Build on the meta device, then adopt `llm.pt`'s tensors (strict keys, errors name the file)."""
+        """Build on the meta device, then adopt `llm.pt`'s tensors, read onto `device` and cast there
+        (strict keys, errors name the file)."""
         dims = LlmDims.from_model_dir(model_dir)
-        with torch.device("meta"):
+        with empty_init():
             model = cls(dims)
-        state = load_state_dict(model_dir, "llm.pt")
+        state = load_state_dict(model_dir, "llm.pt", device)
         check_keys(str(Path(model_dir) / "llm.pt"), set(state), set(model.state_dict()))
         for name, expected in model.state_dict().items():
             if state[name].shape != expected.shape:
