@@ -12,6 +12,8 @@ from its text (Settings.engine_forced_lengths, 25 speech tokens per second of au
   flow_hift  audio s per s vs batch size, length-bucketed batches (optionally compiled flow, A/B)
   worker     `voxbatch worker` fed by `voxbatch submit` through a redis-server here (bench/worker_run.py),
              one job per task size; the first is the headline figure
+  render     `voxbatch render` (one process, as a user runs it) over the corpus as a book: wall time, its
+             phases (start-up, first segment, rendering, assembly tail) and GPU busy per phase
   engine     the worker's CosyVoice2Engine through its Pipeline, fed as a worker feeds it, one run per
              configuration (same-run A/B), on the worker's job segments
   baseline   one segment at a time, eager: LLM fp32 step loop, flow fp16 autocast, HiFT fp32
@@ -794,6 +796,47 @@ class Bench:
                 "note": "voxbatch worker process + voxbatch submit + redis-server; wall = job created -> last segment stored (Redis times)"}
 
 
+    def render_stage(self) -> dict:
+        """`voxbatch render` as a user runs it (its own process, `--json`) over the bench corpus written as
+        a book of RENDER_CHAPTERS chapters, with the worker run's engine settings: wall time, where it
+        went (start-up, first segment, rendering, the assembly tail after the last segment) and the GPU
+        busy share over the whole run and over each phase."""
+        from voxbatch import keys
+        from voxbatch.storage import LocalStorage
+
+        a = self.args
+        env = {**os.environ, **self.engine_env(parse_run(a.worker_run)),
+               "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+        out = Path(tempfile.mkdtemp(prefix="render-", dir=self.tmp))  # nothing rendered before: no reuse
+        LocalStorage(out).put(keys.voice("bench"), LocalStorage(self.storage_root).get(keys.voice("bench")))
+        per = math.ceil(len(self.corpus) / min(RENDER_CHAPTERS, len(self.corpus)))
+        book = out.parent / f"{out.name}.md"
+        book.write_text("".join(f"# Chapter {k + 1}\n\n" + "\n\n".join(s.text for s in self.corpus[i:i + per]) + "\n\n"
+                                for k, i in enumerate(range(0, len(self.corpus), per))), encoding="utf-8")
+        cmd = [sys.executable, "-m", "voxbatch.cli", "render", str(book), "--out", str(out), "--voice", "bench", "--json"]
+        with GpuUtilisation() as util:
+            t0 = time.time()
+            proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=a.worker_timeout_s)
+            wall = time.time() - t0
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+        if proc.returncode != 0 or not lines:
+            raise RuntimeError(f"voxbatch render exited {proc.returncode}: {proc.stderr[-2000:]}")
+        r = json.loads(lines[-1])
+        p, s0 = r["times"], r["started_at"]
+        ready, last = s0 + p["startup_s"], s0 + p["startup_s"] + p["rendering_s"]
+        windows = {"startup": (s0, ready), "rendering": (ready, last), "assembly_tail": (last, s0 + p["wall_s"])}
+        busy = {name: busy_pct(util.summary(window=w)) for name, w in windows.items()}
+        print(f"  render: {r['audio_s'] / wall:.1f}x realtime, wall {wall:.1f}s ({p}), GPU busy {busy}", flush=True)
+        phases = {k: v for k, v in p.items() if k != "wall_s"}
+        return {"segments": r["segments"], "chapters": math.ceil(len(self.corpus) / per), "state": r["state"],
+                "failed": r["failed"], "audio_s": r["audio_s"], "wall_s": round(wall, 3),
+                "x_realtime": round(r["audio_s"] / wall, 1), **phases, "command_wall_s": p["wall_s"],
+                "gpu_busy_pct": busy_pct(util.summary(window=(t0, t0 + wall))), "gpu_busy_pct_by_phase": busy,
+                "env": {k: v for k, v in self.engine_env(parse_run(a.worker_run)).items()
+                        if k not in ("VOXBATCH_MODEL_DIR", "VOXBATCH_STORAGE_URL")},
+                "note": "wall: process start to exit (imports included); phases from `voxbatch render --json`, "
+                        "timed from the command's start (after the interpreter's imports)"}
+
     # -- baseline -----------------------------------------------------------------------------------------------
 
     @torch.inference_mode()
@@ -978,6 +1021,13 @@ def table(results: dict) -> str:
             lines.append(f"| baseline: one at a time, LLM fp32 step loop, flow fp16 autocast, HiFT fp32 | - | {base['segments']} | "
                          f"{base['audio_s']} | {base['wall_s']} | {base['x_realtime']} | - | - |")
         lines.append("")
+    rd = st.get("render")
+    if rd and "wall_s" in rd:
+        lines += ["## voxbatch render (one process, as a user runs it)", "",
+                  f"{rd['segments']} segments in {rd['chapters']} chapters, {rd['audio_s']} s of audio: wall {rd['wall_s']} s "
+                  f"({rd['x_realtime']}x real time), start-up {rd['startup_s']} s, first segment {rd['first_segment_s']} s, "
+                  f"rendering {rd['rendering_s']} s, assembly tail {rd['assembly_tail_s']} s; GPU busy {rd['gpu_busy_pct']}% "
+                  f"(by phase {rd['gpu_busy_pct_by_phase']})", ""]
     acc = st.get("accuracy")
     if acc:
         lines += ["## Precision vs fp32 (same inputs)", "", "```", json.dumps({k: v for k, v in acc.items() if k not in ("peak_gpu_gib", "stage_wall_s")}, indent=1), "```", ""]
@@ -986,7 +1036,8 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
-STAGES = ("accuracy", "llm", "flow_hift", "engine", "worker", "baseline", "profile", "vllm")
+STAGES = ("accuracy", "llm", "flow_hift", "engine", "worker", "render", "baseline", "profile", "vllm")
+RENDER_CHAPTERS = 8  # the render stage's book: the bench corpus in this many chapters
 
 
 def headline(r: dict) -> dict:

@@ -42,7 +42,7 @@ def test_every_stage_runs_on_cpu_and_the_result_has_a_headline(tmp_path, tiny_mo
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     r = json.loads((tmp_path / "gpu_engine.json").read_text())
     assert not r["errors"]
-    expected = {"accuracy", "llm", "flow_hift", "worker", "engine", "baseline", "profile", "vllm"}
+    expected = {"accuracy", "llm", "flow_hift", "worker", "engine", "render", "baseline", "profile", "vllm"}
     assert set(r["stages"]) == expected
     h = r["headline"]
     assert set(h) == {"path", "x_realtime", "baseline_x_realtime", "gpu", "commit", "segments", "llm_tokens_per_s_corpus", "gpu_busy_pct"}
@@ -54,3 +54,6 @@ def test_every_stage_runs_on_cpu_and_the_result_has_a_headline(tmp_path, tiny_mo
     assert h["x_realtime"] == worker["tasks_of_4"]["x_realtime"] and h["baseline_x_realtime"] > 0
     (engine,) = r["stages"]["engine"]["runs"].values()
     assert engine["stored"] == r["corpus"]["segments"] and engine["failed"] == 0
+    render = r["stages"]["render"]
+    assert render["state"] == "completed" and render["failed"] == 0 and render["segments"] > 0
+    assert all(render[k] >= 0 for k in ("startup_s", "first_segment_s", "rendering_s", "assembly_tail_s"))

@@ -377,7 +377,7 @@ def render(path: Optional[Path] = typer.Argument(None, help="corpus (.txt, .md, 
     import os
     import time
 
-    started_at = time.monotonic()
+    started_at, started_unix = time.monotonic(), time.time()
 
     from rich.progress import Progress
 
@@ -431,7 +431,8 @@ def render(path: Optional[Path] = typer.Argument(None, help="corpus (.txt, .md, 
     if json_out:
         print(json.dumps({"job_id": manifest.job_id, "state": manifest.state, "segments": len(manifest.segments),
                           "reused": manifest.reused, "failed": len(manifest.failed), "audio_s": round(total, 3),
-                          "path": str(out / "jobs" / manifest.job_id), "times": phases}), flush=True)
+                          "path": str(out / "jobs" / manifest.job_id), "started_at": round(started_unix, 3),
+                          "times": phases}), flush=True)
     else:
         console.print(f"job {manifest.job_id}: {len(manifest.segments)} segments ({manifest.reused} reused, "
                       f"{len(manifest.segments) - manifest.reused} rendered), {total:.1f} s of audio, "
