@@ -271,8 +271,15 @@ class GpuUtilisation:
         for t, gpu, u in self.samples:
             if window is None or window[0] <= t <= window[1]:
                 per[gpu].append(u)
-        return {gpu: {"mean_pct": round(sum(v) / len(v), 1), "max_pct": max(v), "samples": len(v)}
+        return {gpu: {"mean_pct": round(sum(v) / len(v), 1), "max_pct": max(v), "samples": len(v),
+                      "by_tenth_pct": [round(sum(c) / len(c), 1) if c else None for c in _tenths(v)]}
                 for gpu, v in per.items() if v}
+
+
+def _tenths(v: list[float]) -> list[list[float]]:
+    """The samples cut into ten consecutive parts: where in a run the GPU idled (start, middle, tail)."""
+    n = len(v)
+    return [v[i * n // 10 : (i + 1) * n // 10] for i in range(10)]
 
 
 def busy_pct(summary: dict | None) -> float | None:
