@@ -39,8 +39,8 @@ import threading
 import time
 import traceback
 from collections import defaultdict
-from collections.abc import Callable
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -295,15 +295,43 @@ RUN_KEYS = {"rows": "engine_max_batch", "flow": "engine_flow_batch", "task": "ba
             "format": "output_format"}
 
 
-def parse_run(spec: str) -> dict[str, str]:
-    """'rows=256,flow=64,task=16' -> {'rows': '256', ...}; unknown keys are an error."""
+# Engine-stage A/B of scheduler and kernel choices that are code constants, not settings: key ->
+# (module, attribute, parse). Set in this process for one run and restored after (engine stage only).
+SWITCHES = {
+    "prio": ("voxbatch.worker.cosyvoice2.streaming", "LLM_STREAM_PRIORITY", int),
+    "longest": ("voxbatch.worker.cosyvoice2.streaming", "LONGEST_FIRST", lambda v: v in ("1", "true")),
+}
+
+
+def parse_run(spec: str, switches: bool = False) -> dict[str, str]:
+    """'rows=256,flow=64,task=16' -> {'rows': '256', ...}; unknown keys are an error (SWITCHES keys
+    only where `switches`: the engine stage)."""
     out = {}
+    allowed = {**RUN_KEYS, **(SWITCHES if switches else {})}
     for part in filter(None, spec.split(",")):
         key, sep, value = part.partition("=")
-        if not sep or key not in RUN_KEYS:
-            raise SystemExit(f"bad run spec {spec!r}: use key=value pairs with keys {', '.join(RUN_KEYS)}")
+        if not sep or key not in allowed:
+            raise SystemExit(f"bad run spec {spec!r}: use key=value pairs with keys {', '.join(allowed)}")
         out[key] = value
     return out
+
+
+@contextmanager
+def switched(run: dict[str, str]) -> Iterator[None]:
+    """The run's SWITCHES set on their modules for the duration."""
+    import importlib
+
+    saved = []
+    try:
+        for key, (module, attr, parse) in SWITCHES.items():
+            if key in run:
+                mod = importlib.import_module(module)
+                saved.append((mod, attr, getattr(mod, attr)))
+                setattr(mod, attr, parse(run[key]))
+        yield
+    finally:
+        for mod, attr, value in saved:
+            setattr(mod, attr, value)
 
 
 def commit() -> str:
@@ -636,11 +664,9 @@ class Bench:
             variants = {"shipped (time-major flow, fused Snake)": (True, True),
                         "flow channel-major (cuDNN convs)": (False, True),
                         "eager Snake": (True, False)}
-            rows = {}
-            for name, (time_major, fused) in variants.items():
+            def measure(time_major: bool, fused: bool) -> tuple[float, float, float]:
                 CausalConditionalDecoder.time_major, Snake.fused = time_major, fused
                 try:
-                    engine.vocode(batches[0][:2])  # warm-up of this variant's kernels
                     flow_s = hift_s = audio = 0.0
                     for b in batches:
                         sync()
@@ -652,10 +678,25 @@ class Bench:
                         t2 = time.perf_counter()
                         flow_s, hift_s = flow_s + t1 - t0, hift_s + t2 - t1
                         audio += sum(len(w) for w in wavs) / engine.sample_rate
+                    return flow_s, hift_s, audio
                 finally:
                     CausalConditionalDecoder.time_major, Snake.fused = True, True
+
+            for time_major, fused in variants.values():  # warm every variant's kernels and allocations first
+                CausalConditionalDecoder.time_major, Snake.fused = time_major, fused
+                engine.vocode(batches[len(batches) // 2])
+            CausalConditionalDecoder.time_major, Snake.fused = True, True
+            runs: dict[str, list[tuple[float, float, float]]] = defaultdict(list)
+            for _ in range(2):  # interleaved A/B/C, twice; the faster of the two counts
+                for name, (time_major, fused) in variants.items():
+                    runs[name].append(measure(time_major, fused))
+            rows = {}
+            for name, reps in runs.items():
+                flow_s, hift_s = min(r[0] for r in reps), min(r[1] for r in reps)
+                audio = reps[0][2]
                 rows[name] = {"flow_s": round(flow_s, 3), "hift_s": round(hift_s, 3), "audio_s": round(audio, 1),
-                              "flow_x_realtime": round(audio / flow_s, 1), "hift_x_realtime": round(audio / hift_s, 1)}
+                              "flow_x_realtime": round(audio / flow_s, 1), "hift_x_realtime": round(audio / hift_s, 1),
+                              "reps_flow_s": [round(r[0], 3) for r in reps], "reps_hift_s": [round(r[1], 3) for r in reps]}
                 print(f"  parts {name}: flow {flow_s:.2f}s ({audio / flow_s:.0f}x)  hift {hift_s:.2f}s ({audio / hift_s:.0f}x)", flush=True)
             shipped = next(iter(rows.values()))
             total = llm_s + shipped["flow_s"] + shipped["hift_s"]
@@ -699,7 +740,8 @@ class Bench:
         if not self.llm_dev.startswith("cuda"):
             env["VOXBATCH_LLM_DEVICE"] = "cpu"
         for k, v in run.items():
-            env[f"VOXBATCH_{RUN_KEYS.get(k, k).upper()}"] = v
+            if k not in SWITCHES:
+                env[f"VOXBATCH_{RUN_KEYS.get(k, k).upper()}"] = v
         return env
 
     def engine_stage(self) -> dict:
@@ -712,16 +754,18 @@ class Bench:
         texts = self.texts()
         runs = {}
         for spec in self.args.engine_runs:
-            env = self.engine_env(parse_run(spec))
+            run = parse_run(spec, switches=True)
+            env = self.engine_env(run)
             settings = Settings(**{k[len("VOXBATCH_"):].lower(): v for k, v in env.items()})
             t = time.perf_counter()
             engine = CosyVoice2Engine.from_settings(settings)
             engine.warmup()
             start_s = time.perf_counter() - t
             try:
-                run_pipeline(engine, texts[: min(len(texts), 2 * settings.batch_size)], self.storage_root, settings)
-                reset_peak(self.devices)
-                r = run_pipeline(engine, texts, self.storage_root, settings)
+                with switched(run):
+                    run_pipeline(engine, texts[: min(len(texts), 2 * settings.batch_size)], self.storage_root, settings)
+                    reset_peak(self.devices)
+                    r = run_pipeline(engine, texts, self.storage_root, settings)
                 r.update(config=spec, env={k: v for k, v in env.items() if k not in ("VOXBATCH_MODEL_DIR", "VOXBATCH_STORAGE_URL")},
                          start_and_warmup_s=round(start_s, 1), peak_gpu_gib=peak_gib(self.devices))
                 runs[spec] = r
@@ -1069,8 +1113,9 @@ def main() -> None:
     unknown = [s for s in args.stages if s not in STAGES]
     if unknown:
         ap.error(f"unknown stage(s) {', '.join(unknown)}; stages are {', '.join(STAGES)}")
-    for spec in args.engine_runs + [args.worker_run]:
-        parse_run(spec)
+    for spec in args.engine_runs:
+        parse_run(spec, switches=True)
+    parse_run(args.worker_run)
 
     torch.manual_seed(0)
     bench = Bench(args)
