@@ -1,7 +1,8 @@
 """`voxbatch render`: the whole pipeline in one process, a local folder for storage, no Redis.
 
-The same pipeline and assembly as the distributed path; only the job store (in memory) and the
-hand-off to assembly differ: each chapter is assembled (and mastered) in a thread of its own as soon
+The same pipeline and assembly as the distributed path, fed as a worker feeds it (a window of the
+book in flight, in reading order); only the job store (in memory) and the hand-off to assembly
+differ: each chapter is assembled (and mastered) in a thread of its own as soon
 as its segments are all stored, while the engine renders later chapters, so the job ends soon after
 its last segment instead of assembling the whole book then. Start-up is overlapped the same way: the
 engine is built, proven and fingerprinted in a thread while the corpus is read and segmented.
@@ -39,7 +40,8 @@ from voxbatch.producer.submit import check_voices, load_spec, plan_job, render_t
 from voxbatch.settings import AudioFormat, Settings
 from voxbatch.storage import LocalStorage, Storage
 from voxbatch.worker.engine import Engine, SynthesisRequest, build_engine
-from voxbatch.worker.pipeline import Pipeline
+from voxbatch.worker.budget import SegmentBudget, inflight_segments, task_threads
+from voxbatch.worker.pipeline import Pipeline, TaskAbandoned
 
 log = logging.getLogger(__name__)
 
@@ -295,6 +297,35 @@ class _Assembler:
         return not self._thread.is_alive()
 
 
+def _feed(pipeline: Pipeline, spec: JobSpec, settings: Settings, rows: int) -> list[threading.Thread]:
+    """Hand the job's tasks to the pipeline as a worker's Celery threads do (voxbatch/worker/budget.py):
+    in reading order, at most `inflight_segments` segments at once. The engine picks among what is in
+    its intake (longest first), so holding the whole book there would finish chapters in any order;
+    a window of the book finishes them nearly in order, and each can be assembled while later ones
+    render. Returns the started threads; each ends when the tasks run out (or the pipeline abandons
+    them on Ctrl-C)."""
+    tasks = render_tasks(spec, settings.batch_size)
+    lock = threading.Lock()
+    budget = SegmentBudget(inflight_segments(settings, rows))
+
+    def feed() -> None:
+        while True:
+            with lock:
+                task = next(tasks, None)
+            if task is None:
+                return
+            with budget.hold(len(task.segments)):
+                try:
+                    pipeline.submit(task).wait()
+                except TaskAbandoned:
+                    return
+
+    threads = [threading.Thread(target=feed, name=f"feed-{i}", daemon=True) for i in range(task_threads(settings, rows))]
+    for t in threads:
+        t.start()
+    return threads
+
+
 def _run(spec: JobSpec, storage: Storage, engine: Engine, settings: Settings,
          on_progress: Callable[[JobStatus], None] | None, times: RenderTimes) -> Manifest:
     watch = _ChapterWatch(spec, times)
@@ -306,9 +337,9 @@ def _run(spec: JobSpec, storage: Storage, engine: Engine, settings: Settings,
     try:
         pipeline = Pipeline(engine, storage, jobs, settings, on_job_complete=lambda _job: finished.set()).start()
         try:
-            handles = [pipeline.submit(task) for task in render_tasks(spec, settings.batch_size)]
-            for h in handles:
-                while not h.wait(0.2):
+            for feeder in _feed(pipeline, spec, settings, engine.max_batch):
+                while feeder.is_alive():
+                    feeder.join(0.2)
                     if on_progress is not None:
                         on_progress(jobs.status(spec.id))
         except KeyboardInterrupt:
