@@ -301,6 +301,7 @@ SWITCHES = {
     "prio": ("voxbatch.worker.cosyvoice2.streaming", "LLM_STREAM_PRIORITY", int),
     "longest": ("voxbatch.worker.cosyvoice2.streaming", "LONGEST_FIRST", lambda v: v in ("1", "true")),
     "idle_div": ("voxbatch.worker.cosyvoice2.streaming", "IDLE_BATCH_DIV", int),
+    "octave": ("voxbatch.worker.cosyvoice2.streaming", "BUCKETS_PER_OCTAVE", int),
     "fused_llm": ("voxbatch.worker.cosyvoice2.llm", "FUSED_KERNELS", lambda v: v in ("1", "true")),
 }
 

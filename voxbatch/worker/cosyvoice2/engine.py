@@ -43,7 +43,7 @@ from voxbatch.worker.cosyvoice2.hub import resolve_model_dir
 from voxbatch.worker.cosyvoice2.llm_backend import LlmBackend, LlmRequest
 from voxbatch.tokenizer import CosyVoice2Tokenizer
 from voxbatch.worker.engine import Engine, SynthesisRequest, SynthesisResult
-from voxbatch.worker.cosyvoice2.streaming import StreamingScheduler
+from voxbatch.worker.cosyvoice2.streaming import StreamingScheduler, length_bucket
 
 log = logging.getLogger(__name__)
 
@@ -160,11 +160,6 @@ class _Item:
     voice: PreparedVoice
     llm: LlmRequest
     tokens: list[int] | None = None  # speech tokens once the LLM is done with it
-
-
-def _bucket(n_tokens: int) -> int:
-    """Length bucket of a finished sequence: rows within a factor of 2 share a flow batch."""
-    return max(n_tokens, 1).bit_length()
 
 
 def _pad(rows: list[torch.Tensor], lengths: list[int]) -> torch.Tensor:
@@ -443,10 +438,10 @@ class CosyVoice2Engine(Engine):
                 yield SynthesisResult(item.request, None, "the LLM stopped before any speech token")
                 continue
             item.tokens = result.tokens
-            bucket = buckets.setdefault(_bucket(len(result.tokens)), [])
+            bucket = buckets.setdefault(length_bucket(len(result.tokens)), [])
             bucket.append(item)
             if len(bucket) >= self.flow_batch:
-                yield from self.vocode(buckets.pop(_bucket(len(result.tokens))))
+                yield from self.vocode(buckets.pop(length_bucket(len(result.tokens))))
         for key in sorted(buckets, reverse=True):
             yield from self.vocode(buckets[key])
 
