@@ -70,8 +70,9 @@ class Settings(BaseSettings):
     # backend's KV cache fits in 40% of the GPU's free memory (256 rows of CosyVoice2-0.5B in bf16
     # are 12 GiB: 128 rows on a 24 GB card); 16 on a CPU; the tone engine 64.
     engine_max_batch: int | None = Field(None, ge=1)
-    # Most rows in one flow + HiFT batch (length-bucketed); 64 is what the H200 result ran with.
-    engine_flow_batch: int = Field(64, ge=1)
+    # Most rows in one flow + HiFT batch (length-bucketed). Unset: half the engine's LLM rows, at most
+    # 128 (the fastest measured on an H200: 128 rows on 256 LLM rows, bench/results/h200_probe1.json).
+    engine_flow_batch: int | None = Field(None, ge=1)
     # LLM precision on a GPU ("auto": bf16). bf16 is batch-dependent: on an H200, RAS sampling gave 2
     # of 4 segments other tokens in a batch than alone (fp32: 4 of 4 the same; bench/results/gpu_tests_h200.txt),
     # so a segment re-rendered in another batch (retry) can come out different. "float32" makes
