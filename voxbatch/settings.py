@@ -69,9 +69,14 @@ class Settings(BaseSettings):
     engine_max_batch: int = Field(64, ge=1)
     # Most rows in one flow + HiFT batch (length-bucketed). H200: 241x real time at 64, 177x at 16.
     engine_flow_batch: int = Field(64, ge=1)
-    # LLM precision on a GPU ("auto": bf16). bf16 is batch-dependent: on an H200, RAS sampling gave 2
-    # of 4 segments other tokens in a batch than alone (fp32: 4 of 4 the same), so a segment re-rendered
-    # in another batch (retry) can come out different. "float32" makes re-renders identical everywhere.
+    # LLM precision on a GPU ("auto": bf16; a CPU always runs fp32). It sets what a segment re-rendered
+    # in another batch (a retry, a solo re-render) keeps. "float32": the same speech tokens, so the same
+    # words, timing and length, and a mel within the flow's fp16 rounding (fp32 logits still differ per
+    # batch shape by rounding, which moved no draw in 4 of 4 segments on an H200). Audio is never
+    # bit-identical: the flow (fp16) and HiFT pick kernels per batch shape and HiFT integrates F0 into
+    # phase, so samples move. "bfloat16": none of it (H200: RAS gave 2 of 4 segments other tokens in a
+    # batch than alone). tests/test_gpu_batch_invariance.py asserts this; `python -m bench.gpu_engine
+    # --stages invariance` measures both dtypes and what float32 costs.
     llm_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     # Run the flow estimator through torch.compile when the flow sits on a GPU: 1.12-1.16x on the flow
     # and 165x vs 152x with the bench's engine on an H200, but no gain through the worker's engine

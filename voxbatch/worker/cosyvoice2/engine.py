@@ -6,8 +6,10 @@
 Sequences leave the LLM at different times; each finished one goes into a bucket of similar token
 length, and a bucket runs through flow + HiFT as one padded batch as soon as it is full (or when the
 LLM has nothing left), so the acoustic models work while the LLM still decodes the long rows and
-padding stays below 2x. Both acoustic models are batch-invariant (masks, per-row noise), so a segment
-sounds the same whichever batch it lands in; the LLM samples with a per-request seed.
+padding stays below 2x. Both acoustic models are batch-invariant up to rounding (masks, per-row noise),
+so a segment sounds the same whichever batch it lands in, though not bit for bit: GEMM and conv kernels
+are picked per batch shape. The LLM samples with a per-request seed; whether its tokens survive another
+batch depends on its dtype (Settings.llm_dtype).
 
 How each mode builds the LLM input (as the official CosyVoice2 frontend does):
   zero_shot     text = prompt_text ++ text, prompt speech = the voice's speech tokens
@@ -417,6 +419,11 @@ class CosyVoice2Engine(Engine):
             yield SynthesisResult(item.request, wav)
 
     def _vocode(self, tokens: list[list[int]], voices: list[PreparedVoice], speeds: list[float], seeds: list[int]) -> list[np.ndarray]:
+        return self.waveforms(self.mels(tokens, voices, speeds), seeds)
+
+    def mels(self, tokens: list[list[int]], voices: list[PreparedVoice], speeds: list[float]) -> list[torch.Tensor]:
+        """Flow for one batch: B token lists -> B mels (80, T_mel_i) fp32 on the HiFT device, speed applied.
+        Call under inference_mode (`vocode` does)."""
         flow_dev = self.flow.encoder_proj.weight.device
         tok_lens = [len(t) for t in tokens]
         tok = _pad([torch.tensor(t, dtype=torch.long) for t in tokens], tok_lens).to(flow_dev)  # (B, T_tok)
@@ -429,7 +436,12 @@ class CosyVoice2Engine(Engine):
         mels = self.flow.inference(tok, as_tensor(tok_lens), prompt_tok, as_tensor(p_lens), prompt_mel,
                                    as_tensor(pm_lens), embedding)  # B x (80, T_mel_i) fp32
         hift_dev = self.hift.conv_pre.weight.device
-        mels = [time_scale(m, s).to(hift_dev) for m, s in zip(mels, speeds)]
+        return [time_scale(m, s).to(hift_dev) for m, s in zip(mels, speeds)]
+
+    def waveforms(self, mels: list[torch.Tensor], seeds: list[int]) -> list[np.ndarray]:
+        """HiFT for one batch: B mels (80, T_mel_i) -> B float32 waveforms, one padded call, a source-noise
+        generator per row seeded with its segment's seed. Call under inference_mode (`vocode` does)."""
+        hift_dev = self.hift.conv_pre.weight.device
         mel_lens = [m.shape[1] for m in mels]
         mel = _pad([m.transpose(0, 1) for m in mels], mel_lens).transpose(1, 2)  # (B, 80, T_mel)
         generators = [torch.Generator(device=hift_dev).manual_seed(s) for s in seeds]
