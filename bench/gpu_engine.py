@@ -316,7 +316,7 @@ def commit() -> str:
 def run_pipeline(engine: Engine, texts: list[str], storage_root: Path, settings: Settings, timeout_s: float = 600.0) -> dict:
     """The worker's own path without the broker: Pipeline (engine -> bounded queue -> upload threads ->
     a local folder), fed exactly as `voxbatch worker` feeds it: tasks of `settings.batch_size`
-    segments, `task_threads(settings)` of them at once, each holding its segments in the worker's
+    segments, `task_threads(settings, engine.max_batch)` of them at once, each holding its segments in the worker's
     `SegmentBudget` (voxbatch/worker/budget.py). Wall time from the first task to the last segment stored."""
     from voxbatch.jobstate import MemoryJobStore
     from voxbatch.models import RenderTask, SynthesisParams, TaskSegment, segment_id
@@ -335,7 +335,8 @@ def run_pipeline(engine: Engine, texts: list[str], storage_root: Path, settings:
                   for k in range(0, len(segs), bs)])
     metrics = StoreTimes()
     pipe = Pipeline(engine, LocalStorage(storage_root), jobs, settings, on_job_complete=lambda _j: None, metrics=metrics).start()
-    budget, lock = SegmentBudget(inflight_segments(settings)), threading.Lock()
+    rows = engine.max_batch  # engine_max_batch, or what the engine picked
+    budget, lock = SegmentBudget(inflight_segments(settings, rows)), threading.Lock()
 
     def task_thread() -> None:
         while True:
@@ -346,7 +347,7 @@ def run_pipeline(engine: Engine, texts: list[str], storage_root: Path, settings:
             with budget.hold(len(task.segments)):
                 pipe.submit(task).wait()
 
-    threads = [threading.Thread(target=task_thread, daemon=True) for _ in range(task_threads(settings))]
+    threads = [threading.Thread(target=task_thread, daemon=True) for _ in range(task_threads(settings, rows))]
     try:
         with GpuUtilisation() as util:
             t0 = time.perf_counter()
@@ -371,8 +372,9 @@ def run_pipeline(engine: Engine, texts: list[str], storage_root: Path, settings:
         "failed": metrics.failed,
         "speech_tokens_per_s": round(metrics.audio_s * 25 / wall, 1),
         "task_size": bs,
-        "task_threads": task_threads(settings),
-        "inflight_segments": inflight_segments(settings),
+        "engine_rows": rows,
+        "task_threads": task_threads(settings, rows),
+        "inflight_segments": inflight_segments(settings, rows),
         "engine_waited_on_full_queue_s": round(pipe.engine_waited_s, 3),
         "encode_and_write_s_summed_over_threads": round(metrics.store_s, 3),
         "job_state": getattr(status, "state", None),

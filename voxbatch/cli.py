@@ -328,6 +328,14 @@ def worker(gpus: Optional[str] = typer.Option(None, help="comma-separated GPU id
     raise typer.Exit(run_workers(ids, concurrency, queues, env_overrides=env))
 
 
+@app.command("settings")
+def settings_table():
+    """Print every setting (environment variable, type, default, what it does) as docs/settings.md."""
+    from voxbatch.settings_doc import markdown
+
+    sys.stdout.write(markdown())
+
+
 @app.command()
 def assembler(concurrency: int = typer.Option(2, help="assemble tasks at once")):
     """Start the CPU assembler: chapters, manifest, subtitles and m4b once a job's last segment lands;

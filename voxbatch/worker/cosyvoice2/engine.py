@@ -80,6 +80,31 @@ class Placement:
         return cls(llm, flow, hift, pick(llm, llm_gpu_dtype), pick(flow, torch.float16), torch.float32)
 
 
+# The rows `llm_rows` picks when Settings.engine_max_batch is unset.
+GPU_ROWS = 256  # the fastest measured on an H200 (bench/results/gpu_h200_worker.json: rows=256)
+CPU_ROWS = 16  # fp32 on a CPU: 256 rows of the 0.5B model would hold ~26 GB of KV cache, and decode slower
+KV_CACHE_SHARE = 0.4  # most of the LLM GPU's free memory the torch backend's auto-sized KV cache takes
+
+
+def llm_rows(placement: Placement, kv_bytes_per_row: int | None, free_bytes: int | None = None) -> int:
+    """The engine's rows (requests decoded at once) when the settings leave them to the engine.
+
+    GPU_ROWS with the LLM on a GPU, halved while the torch backend's KV cache (`kv_bytes_per_row` x
+    rows, allocated up front) would take more than KV_CACHE_SHARE of the GPU's free memory, so a
+    24 GB card gets 128 rows of the 0.5B model in bf16 and the rest stays for the decode graphs and
+    flow/HiFT; vLLM (`kv_bytes_per_row` None) sizes its own cache within its memory share. CPU_ROWS on
+    a CPU. `free_bytes` defaults to what the LLM's GPU has free now, before the engine loads."""
+    device = torch.device(placement.llm_device)
+    if device.type != "cuda":
+        return CPU_ROWS
+    rows = GPU_ROWS
+    if kv_bytes_per_row is not None:
+        free = torch.cuda.mem_get_info(device)[0] if free_bytes is None else free_bytes
+        while rows > CPU_ROWS and rows * kv_bytes_per_row > KV_CACHE_SHARE * free:
+            rows //= 2
+    return rows
+
+
 @dataclass(frozen=True, eq=False)
 class PreparedVoice:
     """A voice profile as the engine uses it: text ids for the LLM, tensors on the flow device."""
@@ -223,7 +248,7 @@ class CosyVoice2Engine(Engine):
             load_voice=lambda name: load_voice(storage, name),
             placement=Placement.from_settings(settings),
             llm_backend=settings.llm_backend,
-            max_batch=settings.engine_max_batch,
+            max_batch=settings.engine_max_batch,  # None: llm_rows picks
             flow_batch=settings.engine_flow_batch,
             settings=settings.model_copy(update={"model_dir": str(model_dir)}),
         )
@@ -235,31 +260,36 @@ class CosyVoice2Engine(Engine):
         load_voice: Callable[[str], VoiceProfile],
         placement: Placement | None = None,
         llm_backend: str = "torch",
-        max_batch: int = 64,
+        max_batch: int | None = None,  # LLM rows; None: `llm_rows` picks for the placement
         flow_batch: int = 16,
         settings: Settings | None = None,  # the vllm backend reads its options from settings
     ) -> CosyVoice2Engine:
         from voxbatch.worker.cosyvoice2.llm import LlmDims
+        from voxbatch.worker.cosyvoice2.torch_backend import MAX_SEQ
 
         model_dir = resolve_model_dir(model_dir)
         p = placement or Placement.from_settings(Settings(model_dir=str(model_dir)))
         tokenizer = CosyVoice2Tokenizer.from_model_dir(model_dir)
         dims = LlmDims.from_model_dir(model_dir)
+        if llm_backend not in ("torch", "vllm"):
+            raise ValueError(f"unknown llm_backend {llm_backend!r} (torch or vllm)")
+        if max_batch is None:
+            max_batch = llm_rows(p, dims.kv_cache_bytes(1, MAX_SEQ, p.llm_dtype) if llm_backend == "torch" else None)
         if llm_backend == "torch":
             from voxbatch.worker.cosyvoice2.torch_backend import TorchLlmBackend
 
             llm: LlmBackend = TorchLlmBackend.from_model_dir(model_dir, device=p.llm_device, dtype=p.llm_dtype, max_batch=max_batch)
-        elif llm_backend == "vllm":
+        else:
             from voxbatch.worker.cosyvoice2.vllm_backend import VllmLlmBackend
 
-            llm = VllmLlmBackend.from_settings(settings or Settings(model_dir=str(model_dir), engine_max_batch=max_batch))
-        else:
-            raise ValueError(f"unknown llm_backend {llm_backend!r} (torch or vllm)")
+            base = settings or Settings(model_dir=str(model_dir))
+            llm = VllmLlmBackend.from_settings(base.model_copy(update={"engine_max_batch": max_batch}))
         flow = CausalFlow.from_model_dir(model_dir, device=p.flow_device, dtype=p.flow_dtype)
         if settings is not None and settings.flow_compile and torch.device(p.flow_device).type == "cuda":
             flow.decoder.compile_estimator()  # compiled by warmup(), before the first task
         hift = HiFTGenerator.from_model_dir(model_dir, device=p.hift_device, dtype=p.hift_dtype)
-        log.info("cosyvoice2 engine: %s; llm=%s on %s, flow on %s, hift on %s", model_dir, llm.name, p.llm_device, p.flow_device, p.hift_device)
+        log.info("cosyvoice2 engine: %s; llm=%s on %s (%d rows), flow on %s, hift on %s", model_dir, llm.name, p.llm_device,
+                 max_batch, p.flow_device, p.hift_device)
         engine = cls(tokenizer, llm, flow, hift, load_voice, dims.speech_token_size, max_batch=max_batch, flow_batch=flow_batch,
                      forced_lengths=bool(settings is not None and settings.engine_forced_lengths))
         engine.model_dir = Path(model_dir)

@@ -60,6 +60,10 @@ class LlmDims:
     def stop_ids(self) -> tuple[int, ...]:
         return tuple(self.speech_token_size + i for i in range(3))
 
+    def kv_cache_bytes(self, rows: int, seq: int, dtype: torch.dtype) -> int:
+        """Bytes of K and V as `CosyVoice2LM.setup_cache(rows, seq)` allocates them in `dtype`."""
+        return 2 * self.n_layers * rows * self.n_kv_heads * seq * self.head_dim * dtype.itemsize
+
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> LlmDims:
         path = Path(model_dir) / QWEN_DIR / "config.json"
