@@ -121,18 +121,16 @@ class _Renders:
 def _mels(engine: CosyVoice2Engine, voice: PreparedVoice, chunks: list[list[int]], tokens: dict[int, list[int]]) -> dict[int, torch.Tensor]:
     """Each chunk as one flow batch (engine.mels: the first half of engine.vocode) -> mel (80, T_mel) per row."""
     out = {}
-    with torch.inference_mode():
-        for chunk in chunks:
-            out.update(zip(chunk, engine.mels([tokens[j] for j in chunk], [voice] * len(chunk), [1.0] * len(chunk))))
+    for chunk in chunks:
+        out.update(zip(chunk, engine.mels([tokens[j] for j in chunk], [voice] * len(chunk))))
     return out
 
 
 def _audio(engine: CosyVoice2Engine, chunks: list[list[int]], mels: dict[int, torch.Tensor]) -> dict[int, np.ndarray]:
-    """Each chunk as one HiFT batch (engine.waveforms: the second half of engine.vocode), segment seeds."""
+    """Each chunk as one HiFT batch (engine.waves: the second half of engine.vocode), speed 1, segment seeds."""
     out = {}
-    with torch.inference_mode():
-        for chunk in chunks:
-            out.update(zip(chunk, engine.waveforms([mels[j] for j in chunk], [SEED_BASE + j for j in chunk])))
+    for chunk in chunks:
+        out.update(zip(chunk, engine.waves([mels[j] for j in chunk], [1.0] * len(chunk), [SEED_BASE + j for j in chunk])))
     return out
 
 
@@ -244,7 +242,7 @@ def one_dtype(bench, run: dict[str, str], dtype: str, probes: list[int], ways: d
         lap("rerun")
 
         if parts:
-            out["parts"] = _parts(engine, voice, ways["A"], tokens["A"], alone, probes, n_tokens, settings.engine_flow_batch)
+            out["acoustic_parts"] = _parts(engine, voice, ways["A"], tokens["A"], alone, probes, n_tokens, settings.engine_flow_batch)
             lap("parts")
         out["phase_s"] = phase_s
         return out
@@ -338,7 +336,7 @@ def table_lines(st: dict) -> list[str]:
         lines.append(f"| {name} ({r['effective_llm_dtype']}) | {r['tokens_identical']}/{k} | {r['mel_identical']}/{k} | "
                      f"{r['audio_identical']}/{k} | {_e(r['audio_max_abs'])} | {_e(r['mel_max_abs_same_tokens'])} | "
                      f"{r['llm_tokens_per_s_corpus']:,.0f} | {r['x_realtime']} | {r['alone_rerun_identical']} |")
-    parts = next((r["parts"] for r in st["dtypes"].values() if "parts" in r), None)
+    parts = next((r["acoustic_parts"] for r in st["dtypes"].values() if "acoustic_parts" in r), None)
     if parts:
         k = len(st["probes"])
         lines += ["", f"Parts with their input held: flow mel identical {parts['flow_mel_identical']}/{k} (max abs "

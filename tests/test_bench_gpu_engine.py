@@ -19,7 +19,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ["--tiny", "--device", "cpu", "--segments", "4", "--max-s", "3", "--llm-batches", "1", "2", "--llm-tokens", "4",
-         "--flow-batches", "2", "--flow-batches-per-size", "1", "--flow-min-segments", "2", "--baseline-segments", "1",
+         "--flow-batches", "2", "--baseline-segments", "1",
          "--worker-run", "rows=4,flow=2,task=2", "--worker-task-sizes", "4", "2", "--engine-runs", "rows=4,flow=2,task=2",
          "--invariance-run", "rows=4,flow=2,task=2", "--invariance-segments", "4", "--invariance-probes", "2", "--budget-s", "3000"]
 
@@ -42,7 +42,7 @@ def test_every_stage_runs_on_cpu_and_the_result_has_a_headline(tmp_path, tiny_mo
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     r = json.loads((tmp_path / "gpu_engine.json").read_text())
     assert not r["errors"]
-    expected = {"accuracy", "llm", "flow_hift", "worker", "engine", "baseline", "profile", "vllm", "invariance"}
+    expected = {"accuracy", "llm", "parts", "worker", "engine", "baseline", "profile", "vllm", "invariance"}
     assert set(r["stages"]) == expected
     h = r["headline"]
     assert set(h) == {"path", "x_realtime", "baseline_x_realtime", "gpu", "commit", "segments", "llm_tokens_per_s_corpus", "gpu_busy_pct"}

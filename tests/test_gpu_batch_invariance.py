@@ -71,8 +71,7 @@ def tokens_of(engine: CosyVoice2Engine, batch: list[SynthesisRequest]) -> dict[s
 def mels_of(engine: CosyVoice2Engine, tokens: dict[str, list[int]], ids: list[str]) -> dict[str, torch.Tensor]:
     """The flow's mels of the given rows as one batch (engine.mels, the first half of engine.vocode)."""
     voice = engine.voices.get("v1")
-    with torch.inference_mode():
-        return dict(zip(ids, engine.mels([tokens[i] for i in ids], [voice] * len(ids), [1.0] * len(ids))))
+    return dict(zip(ids, engine.mels([tokens[i] for i in ids], [voice] * len(ids))))
 
 
 def audio_of(engine: CosyVoice2Engine, batch: list[SynthesisRequest]) -> dict[str, np.ndarray]:

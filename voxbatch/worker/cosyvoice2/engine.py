@@ -449,11 +449,10 @@ class CosyVoice2Engine(Engine):
             yield SynthesisResult(item.request, wav)
 
     def _vocode(self, tokens: list[list[int]], voices: list[PreparedVoice], speeds: list[float], seeds: list[int]) -> list[np.ndarray]:
-        return self.waveforms(self.mels(tokens, voices, speeds), seeds)
+        return self.waves(self.mels(tokens, voices), speeds, seeds)
 
-    def mels(self, tokens: list[list[int]], voices: list[PreparedVoice], speeds: list[float]) -> list[torch.Tensor]:
-        """Flow for one batch: B token lists -> B mels (80, T_mel_i) fp32 on the HiFT device, speed applied.
-        Call under inference_mode (`vocode` does)."""
+    def mels(self, tokens: list[list[int]], voices: list[PreparedVoice]) -> list[torch.Tensor]:
+        """One flow batch: B token sequences (each with its voice) -> B mels (80, T_mel_i), on the flow device."""
         flow_dev = self.flow.encoder_proj.weight.device
         tok_lens = [len(t) for t in tokens]
         tok = _pad([torch.tensor(t, dtype=torch.long) for t in tokens], tok_lens).to(flow_dev)  # (B, T_tok)
@@ -463,20 +462,20 @@ class CosyVoice2Engine(Engine):
         prompt_mel = _pad([v.prompt_mel for v in voices], pm_lens)  # (B, T_pm, 80)
         embedding = torch.stack([v.embedding for v in voices])  # (B, 192)
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=flow_dev)  # noqa: E731
-        mels = self.flow.inference(tok, as_tensor(tok_lens), prompt_tok, as_tensor(p_lens), prompt_mel,
-                                   as_tensor(pm_lens), embedding)  # B x (80, T_mel_i) fp32
-        hift_dev = self.hift.conv_pre.weight.device
-        return [time_scale(m, s).to(hift_dev) for m, s in zip(mels, speeds)]
+        with torch.inference_mode():
+            return self.flow.inference(tok, as_tensor(tok_lens), prompt_tok, as_tensor(p_lens), prompt_mel,
+                                       as_tensor(pm_lens), embedding)  # B x (80, T_mel_i) fp32
 
-    def waveforms(self, mels: list[torch.Tensor], seeds: list[int]) -> list[np.ndarray]:
-        """HiFT for one batch: B mels (80, T_mel_i) -> B float32 waveforms, one padded call, a source-noise
-        generator per row seeded with its segment's seed. Call under inference_mode (`vocode` does)."""
+    def waves(self, mels: list[torch.Tensor], speeds: list[float], seeds: list[int]) -> list[np.ndarray]:
+        """One HiFT batch: B mels -> B waveforms on the host (per-row speed, per-row noise seed)."""
         hift_dev = self.hift.conv_pre.weight.device
-        mel_lens = [m.shape[1] for m in mels]
-        mel = _pad([m.transpose(0, 1) for m in mels], mel_lens).transpose(1, 2)  # (B, 80, T_mel)
-        generators = [torch.Generator(device=hift_dev).manual_seed(s) for s in seeds]
-        with deterministic_cudnn():
-            wav, _ = self.hift.inference(mel, torch.tensor(mel_lens, device=hift_dev), generators)  # (B, T_wav)
-        wav = to_host(wav.float())
+        with torch.inference_mode():
+            mels = [time_scale(m, s).to(hift_dev) for m, s in zip(mels, speeds)]
+            mel_lens = [m.shape[1] for m in mels]
+            mel = _pad([m.transpose(0, 1) for m in mels], mel_lens).transpose(1, 2)  # (B, 80, T_mel)
+            generators = [torch.Generator(device=hift_dev).manual_seed(s) for s in seeds]
+            with deterministic_cudnn():
+                wav, _ = self.hift.inference(mel, torch.tensor(mel_lens, device=hift_dev), generators)  # (B, T_wav)
+            wav = to_host(wav.float())
         spf = self.hift.d.samples_per_frame
         return [np.ascontiguousarray(wav[i, : n * spf]) for i, n in enumerate(mel_lens)]

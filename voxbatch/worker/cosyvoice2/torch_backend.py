@@ -193,6 +193,10 @@ class TorchLlmBackend(LlmBackend):
         model = CosyVoice2LM.from_model_dir(model_dir, device=device, dtype=dtype)
         return cls(model, max_batch=max_batch, max_seq=max_seq, cuda_graphs=cuda_graphs)
 
+    @property
+    def device(self) -> torch.device:
+        return self.model.llm_decoder.weight.device
+
     def _state(self, rows: int) -> _Rows:
         """The decoding state for `rows` rows, made (and its graphs captured) on first use."""
         if rows not in self._states:
