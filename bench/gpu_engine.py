@@ -302,6 +302,9 @@ RUN_KEYS = {"rows": "engine_max_batch", "flow": "engine_flow_batch", "task": "ba
 SWITCHES = {
     "prio": ("voxbatch.worker.cosyvoice2.streaming", "LLM_STREAM_PRIORITY", int),
     "longest": ("voxbatch.worker.cosyvoice2.streaming", "LONGEST_FIRST", lambda v: v in ("1", "true")),
+    "idle_div": ("voxbatch.worker.cosyvoice2.streaming", "IDLE_BATCH_DIV", int),
+    "octave": ("voxbatch.worker.cosyvoice2.streaming", "BUCKETS_PER_OCTAVE", int),
+    "fused_llm": ("voxbatch.worker.cosyvoice2.llm", "FUSED_KERNELS", lambda v: v in ("1", "true")),
 }
 
 
@@ -644,9 +647,9 @@ class Bench:
         continuous decode at the run's rows, then flow and HiFT over length-sorted batches of the
         run's flow batch (`CosyVoice2Engine.mels` / `.waves`, what the scheduler's vocoder thread
         calls). Their sum against the end-to-end wall shows how much runs overlapped. The same run
-        A/Bs the flow estimator's layout and the fused Snake (class switches, restored after)."""
+        A/Bs the fused Snake (a class switch, restored after). (The time-major flow estimator measured
+        1.15x the channel-major one in bench/results/h200_probe2.json and replaced it.)"""
         from voxbatch.models import SynthesisParams
-        from voxbatch.worker.cosyvoice2.flow_estimator import CausalConditionalDecoder
         from voxbatch.worker.cosyvoice2.hift import Snake
         from voxbatch.worker.engine import SynthesisRequest
 
@@ -665,11 +668,9 @@ class Bench:
             fb = engine.flow_batch
             by_len = sorted(items, key=lambda it: len(it.tokens))
             batches = [by_len[i : i + fb] for i in range(0, len(by_len), fb)]
-            variants = {"shipped (time-major flow, fused Snake)": (True, True),
-                        "flow channel-major (cuDNN convs)": (False, True),
-                        "eager Snake": (True, False)}
-            def measure(time_major: bool, fused: bool) -> tuple[float, float, float]:
-                CausalConditionalDecoder.time_major, Snake.fused = time_major, fused
+            variants = {"shipped (fused Snake)": True, "eager Snake": False}
+            def measure(fused: bool) -> tuple[float, float, float]:
+                Snake.fused = fused
                 try:
                     flow_s = hift_s = audio = 0.0
                     for b in batches:
@@ -684,16 +685,16 @@ class Bench:
                         audio += sum(len(w) for w in wavs) / engine.sample_rate
                     return flow_s, hift_s, audio
                 finally:
-                    CausalConditionalDecoder.time_major, Snake.fused = True, True
+                    Snake.fused = True
 
-            for time_major, fused in variants.values():  # warm every variant's kernels and allocations first
-                CausalConditionalDecoder.time_major, Snake.fused = time_major, fused
+            for fused in variants.values():  # warm every variant's kernels and allocations first
+                Snake.fused = fused
                 engine.vocode(batches[len(batches) // 2])
-            CausalConditionalDecoder.time_major, Snake.fused = True, True
+            Snake.fused = True
             runs: dict[str, list[tuple[float, float, float]]] = defaultdict(list)
             for _ in range(2):  # interleaved A/B/C, twice; the faster of the two counts
-                for name, (time_major, fused) in variants.items():
-                    runs[name].append(measure(time_major, fused))
+                for name, fused in variants.items():
+                    runs[name].append(measure(fused))
             rows = {}
             for name, reps in runs.items():
                 flow_s, hift_s = min(r[0] for r in reps), min(r[1] for r in reps)
@@ -761,30 +762,30 @@ class Bench:
             run = parse_run(spec, switches=True)
             env = self.engine_env(run)
             settings = Settings(**{k[len("VOXBATCH_"):].lower(): v for k, v in env.items()})
-            t = time.perf_counter()
-            engine = CosyVoice2Engine.from_settings(settings)
-            engine.warmup()
-            start_s = time.perf_counter() - t
-            try:
-                with switched(run):
+            with switched(run):  # from the build on: graphs are captured with the switches set
+                t = time.perf_counter()
+                engine = CosyVoice2Engine.from_settings(settings)
+                engine.warmup()
+                start_s = time.perf_counter() - t
+                try:
                     run_pipeline(engine, texts[: min(len(texts), 2 * settings.batch_size)], self.storage_root, settings)
                     reset_peak(self.devices)
                     r = run_pipeline(engine, texts, self.storage_root, settings)
-                r.update(config=spec, env={k: v for k, v in env.items() if k not in ("VOXBATCH_MODEL_DIR", "VOXBATCH_STORAGE_URL")},
-                         start_and_warmup_s=round(start_s, 1), peak_gpu_gib=peak_gib(self.devices))
-                runs[spec] = r
-                print(f"  engine {spec}: {r['x_realtime']:.1f}x realtime, wall {r['wall_s']}s, GPU busy {r['gpu_busy_pct']}%, "
-                      f"stored {r['stored']}, failed {r['failed']}", flush=True)
-                if r["failed"]:
-                    raise RuntimeError(f"engine run {spec}: {r['failed']} segments failed")
-            finally:
-                close = getattr(engine.llm, "close", None)
-                if close is not None:
-                    close()
-                del engine
-                gc.collect()
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
+                    r.update(config=spec, env={k: v for k, v in env.items() if k not in ("VOXBATCH_MODEL_DIR", "VOXBATCH_STORAGE_URL")},
+                             start_and_warmup_s=round(start_s, 1), peak_gpu_gib=peak_gib(self.devices))
+                    runs[spec] = r
+                    print(f"  engine {spec}: {r['x_realtime']:.1f}x realtime, wall {r['wall_s']}s, GPU busy {r['gpu_busy_pct']}%, "
+                          f"stored {r['stored']}, failed {r['failed']}", flush=True)
+                    if r["failed"]:
+                        raise RuntimeError(f"engine run {spec}: {r['failed']} segments failed")
+                finally:
+                    close = getattr(engine.llm, "close", None)
+                    if close is not None:
+                        close()
+                    del engine
+                    gc.collect()
+                    if torch.cuda.is_available():
+                        torch.cuda.empty_cache()
         return {"runs": runs, "texts": "the bench corpus, one segment per sentence",
                 "note": "voxbatch/worker/cosyvoice2/engine.py CosyVoice2Engine.serve (streaming scheduler) through "
                         "voxbatch/worker/pipeline.py, tasks fed as voxbatch worker feeds them (budget.py)"}
@@ -1114,7 +1115,7 @@ def main() -> None:
     ap.add_argument("--redis-server", default=None, help="redis-server binary for the worker stage (default: PATH)")
     ap.add_argument("--engine-runs", nargs="+", default=["rows=256,flow=64,task=16"],
                     help="engine stage: one run per configuration (same keys as --worker-run)")
-    ap.add_argument("--invariance-run", default="rows=256,flow=64,task=16",
+    ap.add_argument("--invariance-run", default="rows=256",
                     help="invariance stage: the engine's configuration (same keys as --worker-run; dtype is set per run)")
     ap.add_argument("--invariance-dtypes", nargs="+", choices=["bfloat16", "float32"], default=["bfloat16", "float32"],
                     help="invariance stage: LLM dtypes compared (the first also runs the flow/HiFT part checks)")

@@ -38,7 +38,7 @@ import torch
 from voxbatch.models import SynthesisParams
 from voxbatch.settings import Settings
 from voxbatch.worker.cosyvoice2.engine import CosyVoice2Engine, PreparedVoice
-from voxbatch.worker.cosyvoice2.engine import _bucket as length_bucket
+from voxbatch.worker.cosyvoice2.streaming import length_bucket
 from voxbatch.worker.engine import SynthesisRequest
 
 MAX_COST_PCT = 10.0  # the bar: re-render identity is worth at most this much throughput
@@ -228,9 +228,9 @@ def one_dtype(bench, run: dict[str, str], dtype: str, probes: list[int], ways: d
         n_tokens = {j: len(toks) for res in tokens.values() for j, toks in res.items()}
         _vocode(engine, voice, [[p] for p in probes], alone.tokens, probes, alone)
         for k, order in ways.items():
-            _vocode(engine, voice, flow_chunks(order, n_tokens, probes, settings.engine_flow_batch), tokens[k], probes, rendered[k])
+            _vocode(engine, voice, flow_chunks(order, n_tokens, probes, engine.flow_batch), tokens[k], probes, rendered[k])
         out.update(_compare(alone, rendered, probes))
-        out["flow_batches_per_composition"] = len(flow_chunks(ways["A"], n_tokens, probes, settings.engine_flow_batch))
+        out["flow_batches_per_composition"] = len(flow_chunks(ways["A"], n_tokens, probes, engine.flow_batch))
         lap("vocode")
 
         # Run to run: a few probes alone again, through engine.synthesize (the shipped path end to end).
@@ -242,7 +242,7 @@ def one_dtype(bench, run: dict[str, str], dtype: str, probes: list[int], ways: d
         lap("rerun")
 
         if parts:
-            out["acoustic_parts"] = _parts(engine, voice, ways["A"], tokens["A"], alone, probes, n_tokens, settings.engine_flow_batch)
+            out["acoustic_parts"] = _parts(engine, voice, ways["A"], tokens["A"], alone, probes, n_tokens, engine.flow_batch)
             lap("parts")
         out["phase_s"] = phase_s
         return out

@@ -14,7 +14,7 @@ import torch
 
 from voxbatch.settings import Settings
 from voxbatch.worker.budget import inflight_segments, task_threads
-from voxbatch.worker.cosyvoice2.engine import CPU_ROWS, KV_CACHE_SHARE, CosyVoice2Engine, Placement, llm_rows
+from voxbatch.worker.cosyvoice2.engine import CPU_ROWS, KV_CACHE_SHARE, CosyVoice2Engine, Placement, flow_rows, llm_rows
 from voxbatch.worker.cosyvoice2.llm import LlmDims
 from voxbatch.worker.cosyvoice2.torch_backend import MAX_SEQ
 from voxbatch.worker.tone import ToneEngine
@@ -41,7 +41,7 @@ def test_defaults_are_the_measured_configuration_on_the_measured_gpu():
     free = 140 * GIB  # an H200 with nothing else on it (the result's GPU)
     rows = llm_rows(gpu(), full_size_kv_bytes_per_row(torch.bfloat16), free_bytes=free)
     assert rows == int(env["VOXBATCH_ENGINE_MAX_BATCH"])
-    assert s.engine_flow_batch == int(env["VOXBATCH_ENGINE_FLOW_BATCH"])
+    assert s.engine_flow_batch is None and flow_rows(rows) == int(env["VOXBATCH_ENGINE_FLOW_BATCH"])
     assert s.batch_size == int(env["VOXBATCH_BATCH_SIZE"])
     assert inflight_segments(s, rows) == engine_run["inflight_segments"]
     assert task_threads(s, rows) == engine_run["task_threads"]
@@ -73,6 +73,7 @@ def test_a_cpu_engine_left_to_itself_takes_the_cpu_rows(tiny_model_dir, tmp_path
                         storage_url=tmp_path.as_uri())
     engine = CosyVoice2Engine.from_settings(settings)
     assert engine.max_batch == engine.llm.max_batch == CPU_ROWS
+    assert engine.flow_batch == flow_rows(CPU_ROWS) == CPU_ROWS // 2
     assert engine.llm.model.cache_shape[0] == CPU_ROWS
     explicit = CosyVoice2Engine.from_settings(settings.model_copy(update={"engine_max_batch": 5}))
     assert explicit.max_batch == explicit.llm.model.cache_shape[0] == 5

@@ -70,17 +70,18 @@ class Settings(BaseSettings):
     # backend's KV cache fits in 40% of the GPU's free memory (256 rows of CosyVoice2-0.5B in bf16
     # are 12 GiB: 128 rows on a 24 GB card); 16 on a CPU; the tone engine 64.
     engine_max_batch: int | None = Field(None, ge=1)
-    # Most rows in one flow + HiFT batch (length-bucketed); 64 is what the H200 result ran with.
-    engine_flow_batch: int = Field(64, ge=1)
+    # Most rows in one flow + HiFT batch (length-bucketed). Unset: half the engine's LLM rows, at most
+    # 128 (the fastest measured on an H200: 128 rows on 256 LLM rows, bench/results/h200_probe1.json).
+    engine_flow_batch: int | None = Field(None, ge=1)
     # LLM precision on a GPU ("auto": bf16; a CPU always runs fp32). It sets what a segment re-rendered
     # in another batch (a retry, a solo re-render) keeps. "float32": the same speech tokens, so the same
     # words, timing and length, and a mel within the flow's fp16 rounding (fp32 logits still differ per
     # batch shape by rounding, which moved no draw in 4 of 4 segments on an H200,
-    # bench/results/gpu_tests_h200.txt). Audio is never
-    # bit-identical: the flow (fp16) and HiFT pick kernels per batch shape and HiFT integrates F0 into
-    # phase, so samples move. "bfloat16": none of it (H200: RAS gave 2 of 4 segments other tokens in a
-    # batch than alone). tests/test_gpu_batch_invariance.py asserts this; `python -m bench.gpu_engine
-    # --stages invariance` measures both dtypes and what float32 costs.
+    # bench/results/gpu_tests_h200.txt). Audio is never bit-identical: the flow (fp16) and HiFT pick
+    # kernels per batch shape and HiFT integrates F0 into phase, so samples move. "bfloat16": none of
+    # it (H200: RAS gave 2 of 4 segments other tokens in a batch than alone).
+    # tests/test_gpu_batch_invariance.py asserts this; `python -m bench.gpu_engine --stages
+    # invariance` measures both dtypes and what float32 costs.
     llm_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     # Run the flow estimator through torch.compile when the flow sits on a GPU. Off: compiling adds
     # minutes of warm-up and no committed result shows it paying off through the worker's engine

@@ -45,7 +45,7 @@ from voxbatch.worker.cosyvoice2.hub import resolve_model_dir
 from voxbatch.worker.cosyvoice2.llm_backend import LlmBackend, LlmRequest
 from voxbatch.tokenizer import CosyVoice2Tokenizer
 from voxbatch.worker.engine import Engine, SynthesisRequest, SynthesisResult
-from voxbatch.worker.cosyvoice2.streaming import StreamingScheduler
+from voxbatch.worker.cosyvoice2.streaming import StreamingScheduler, length_bucket
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +105,16 @@ def llm_rows(placement: Placement, kv_bytes_per_row: int | None, free_bytes: int
     return rows
 
 
+FLOW_ROWS_MAX = 128  # the fastest flow + HiFT batch measured on an H200 (128 over 64: bench/results/h200_probe1.json)
+
+
+def flow_rows(llm_rows: int) -> int:
+    """Rows of one flow + HiFT batch when the settings leave it to the engine: half the LLM's rows,
+    at most FLOW_ROWS_MAX. Half, so finished sequences fill a bucket while the other half decodes,
+    and so a GPU with fewer rows (less memory) also gets smaller flow activations."""
+    return max(1, min(FLOW_ROWS_MAX, llm_rows // 2))
+
+
 @dataclass(frozen=True, eq=False)
 class PreparedVoice:
     """A voice profile as the engine uses it: text ids for the LLM, tensors on the flow device."""
@@ -152,11 +162,6 @@ class _Item:
     voice: PreparedVoice
     llm: LlmRequest
     tokens: list[int] | None = None  # speech tokens once the LLM is done with it
-
-
-def _bucket(n_tokens: int) -> int:
-    """Length bucket of a finished sequence: rows within a factor of 2 share a flow batch."""
-    return max(n_tokens, 1).bit_length()
 
 
 def _pad(rows: list[torch.Tensor], lengths: list[int]) -> torch.Tensor:
@@ -249,7 +254,7 @@ class CosyVoice2Engine(Engine):
             placement=Placement.from_settings(settings),
             llm_backend=settings.llm_backend,
             max_batch=settings.engine_max_batch,  # None: llm_rows picks
-            flow_batch=settings.engine_flow_batch,
+            flow_batch=settings.engine_flow_batch,  # None: flow_rows picks
             settings=settings.model_copy(update={"model_dir": str(model_dir)}),
         )
 
@@ -261,7 +266,7 @@ class CosyVoice2Engine(Engine):
         placement: Placement | None = None,
         llm_backend: str = "torch",
         max_batch: int | None = None,  # LLM rows; None: `llm_rows` picks for the placement
-        flow_batch: int = 16,
+        flow_batch: int | None = None,  # rows of one flow + HiFT batch; None: `flow_rows` of the LLM's rows
         settings: Settings | None = None,  # the vllm backend reads its options from settings
     ) -> CosyVoice2Engine:
         from voxbatch.worker.cosyvoice2.llm import LlmDims
@@ -275,6 +280,8 @@ class CosyVoice2Engine(Engine):
             raise ValueError(f"unknown llm_backend {llm_backend!r} (torch or vllm)")
         if max_batch is None:
             max_batch = llm_rows(p, dims.kv_cache_bytes(1, MAX_SEQ, p.llm_dtype) if llm_backend == "torch" else None)
+        if flow_batch is None:
+            flow_batch = flow_rows(max_batch)
         if llm_backend == "torch":
             from voxbatch.worker.cosyvoice2.torch_backend import TorchLlmBackend
 
@@ -433,10 +440,10 @@ class CosyVoice2Engine(Engine):
                 yield SynthesisResult(item.request, None, "the LLM stopped before any speech token")
                 continue
             item.tokens = result.tokens
-            bucket = buckets.setdefault(_bucket(len(result.tokens)), [])
+            bucket = buckets.setdefault(length_bucket(len(result.tokens)), [])
             bucket.append(item)
             if len(bucket) >= self.flow_batch:
-                yield from self.vocode(buckets.pop(_bucket(len(result.tokens))))
+                yield from self.vocode(buckets.pop(length_bucket(len(result.tokens))))
         for key in sorted(buckets, reverse=True):
             yield from self.vocode(buckets[key])
 

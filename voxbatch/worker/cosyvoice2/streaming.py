@@ -23,6 +23,7 @@ flow/HiFT batch.
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -41,13 +42,16 @@ POLL_S = 0.05  # how long an idle LLM thread waits on the intake before looking 
 # the vocoder's stream they take SMs as flow/HiFT blocks retire instead of queueing behind whole flow
 # kernels, so the LLM decodes inside flow/HiFT's time rather than after it.
 LLM_STREAM_PRIORITY = -1
+BUCKETS_PER_OCTAVE = 2  # flow length buckets per doubling of length (1: within 2x, 2: within 1.41x)
+IDLE_BATCH_DIV = 4  # an idle vocoder runs a bucket holding flow_batch / this many rows (0: wait for full/old)
 LONGEST_FIRST = True  # refill LLM rows with the longest waiting texts first (shorter tail at the end of the work)
 MAX_WAIT_S = 10.0  # ... unless a request has waited this long: then it goes first, whatever its length
 
 
-def _bucket(n_tokens: int) -> int:
-    """Length bucket of a finished sequence: rows within a factor of 2 share a flow batch."""
-    return max(n_tokens, 1).bit_length()
+def length_bucket(n_tokens: int) -> int:
+    """Length bucket of a finished sequence: rows within a factor of 2 ** (1 / BUCKETS_PER_OCTAVE)
+    share a flow batch, so padding (and attention over it) stays small."""
+    return int(BUCKETS_PER_OCTAVE * math.log2(max(n_tokens, 1)))
 
 
 class _Feed:
@@ -179,7 +183,7 @@ class _Vocoder:
 
     def put(self, item) -> None:
         with self.cv:
-            key = _bucket(len(item.tokens))
+            key = length_bucket(len(item.tokens))
             self.buckets.setdefault(key, []).append(item)
             self.since.setdefault(key, time.perf_counter())
             self.pending += 1
@@ -228,8 +232,12 @@ class _Vocoder:
                 if self.buckets:
                     starved = self.draining or self.closing or self.s.llm_rows() < self.flow_batch
                     old = [k for k, t in self.since.items() if now - t >= FLUSH_AFTER_S]
-                    if starved or old:
-                        key = max(old) if old and not starved else max(self.buckets)
+                    # The vocoder is idle here: a bucket a quarter full runs now rather than leaving
+                    # flow/HiFT's stream empty while it fills (the start of the work, gaps later).
+                    ready = [k for k, rows in self.buckets.items()
+                             if IDLE_BATCH_DIV and len(rows) >= max(1, self.flow_batch // IDLE_BATCH_DIV)]
+                    if starved or old or ready:
+                        key = max(old) if old and not starved else max(ready, key=lambda k: len(self.buckets[k])) if ready and not starved else max(self.buckets)
                         return self.buckets.pop(key), self.since.pop(key)
                 elif self.closing:
                     return None
