@@ -18,6 +18,8 @@ from its text (Settings.engine_forced_lengths, 25 speech tokens per second of au
   baseline   one segment at a time, eager: LLM fp32 step loop, flow fp16 autocast, HiFT fp32
   profile    torch.profiler of one decode step, one flow batch and one HiFT batch
   vllm       the vLLM backend's tokens/s, if vllm is importable
+  invariance per LLM dtype: probe segments alone vs inside full mixed batches (tokens, mel, audio identical?)
+             and the dtype's throughput; a decision on fp32 vs bf16 (bench/invariance.py)
 Unknown stage names are an error; a failing (or skipped) stage makes the script exit 1. The JSON records
 the commit measured and a `headline` object. Prints a table; writes JSON + Markdown (--out).
 """
@@ -788,6 +790,11 @@ class Bench:
                 "note": "voxbatch/worker/cosyvoice2/engine.py CosyVoice2Engine.serve (streaming scheduler) through "
                         "voxbatch/worker/pipeline.py, tasks fed as voxbatch worker feeds them (budget.py)"}
 
+    def invariance_stage(self) -> dict:
+        from bench.invariance import invariance_stage
+
+        return invariance_stage(self, parse_run(self.args.invariance_run), run_pipeline)
+
     def texts(self) -> list[str]:
         """The segment texts the engine renders: the bench corpus, one segment per sentence."""
         return [s.text for s in self.corpus]
@@ -1062,6 +1069,10 @@ def table(results: dict) -> str:
             lines.append(f"| baseline: one at a time, LLM fp32 step loop, flow fp16 autocast, HiFT fp32 | - | {base['segments']} | "
                          f"{base['audio_s']} | {base['wall_s']} | {base['x_realtime']} | - | - |")
         lines.append("")
+    if "invariance" in st:
+        from bench.invariance import table_lines
+
+        lines += table_lines(st["invariance"])
     acc = st.get("accuracy")
     if acc:
         lines += ["## Precision vs fp32 (same inputs)", "", "```", json.dumps({k: v for k, v in acc.items() if k not in ("peak_gpu_gib", "stage_wall_s")}, indent=1), "```", ""]
@@ -1070,7 +1081,7 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
-STAGES = ("accuracy", "llm", "parts", "engine", "worker", "baseline", "profile", "vllm")
+STAGES = ("accuracy", "llm", "parts", "engine", "worker", "baseline", "profile", "vllm", "invariance")
 
 
 def headline(r: dict) -> dict:
@@ -1104,6 +1115,12 @@ def main() -> None:
     ap.add_argument("--redis-server", default=None, help="redis-server binary for the worker stage (default: PATH)")
     ap.add_argument("--engine-runs", nargs="+", default=["rows=256,flow=64,task=16"],
                     help="engine stage: one run per configuration (same keys as --worker-run)")
+    ap.add_argument("--invariance-run", default="rows=256",
+                    help="invariance stage: the engine's configuration (same keys as --worker-run; dtype is set per run)")
+    ap.add_argument("--invariance-dtypes", nargs="+", choices=["bfloat16", "float32"], default=["bfloat16", "float32"],
+                    help="invariance stage: LLM dtypes compared (the first also runs the flow/HiFT part checks)")
+    ap.add_argument("--invariance-segments", type=int, default=256, help="invariance stage: segments of each mixed batch")
+    ap.add_argument("--invariance-probes", type=int, default=16, help="invariance stage: probe segments rendered alone and in batches")
     ap.add_argument("--format", default="wav", choices=["wav", "flac", "ogg"])
     ap.add_argument("--baseline-segments", type=int, default=10)
     ap.add_argument("--vllm-mem", type=float, default=0.3)
@@ -1119,6 +1136,7 @@ def main() -> None:
     for spec in args.engine_runs:
         parse_run(spec, switches=True)
     parse_run(args.worker_run)
+    parse_run(args.invariance_run)
 
     torch.manual_seed(0)
     bench = Bench(args)

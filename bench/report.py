@@ -28,7 +28,7 @@ RESULTS = REPO / "bench" / "results"
 MARK = re.compile(r"(<!-- bench:(?P<name>[\w-]+) begin -->\n)(?P<body>.*?)(<!-- bench:(?P=name) end -->)", re.DOTALL)
 # Issue 11's targets for the worker on one GPU.
 TARGET_X_REALTIME, TARGET_GPU_BUSY_PCT, TARGET_VS_BASELINE, TARGET_TASK_SIZE_PCT = 250, 95, 100, 90
-STAGE_ORDER = ("accuracy", "llm", "flow_hift", "engine", "worker", "baseline", "profile", "vllm")
+STAGE_ORDER = ("accuracy", "llm", "flow_hift", "engine", "worker", "baseline", "profile", "vllm", "invariance")
 HIDDEN_OPTIONS = ("--redis-server", "--out", "--fixture-yaml")  # paths of the machine that ran it
 
 
@@ -287,8 +287,15 @@ def flat_table(st: dict) -> list[str]:
     return table(["measure", "value"], rows)
 
 
+def invariance_section(stage: str, st: dict, name: str, r: dict) -> list[str]:
+    from bench.invariance import table_lines  # the stage's own table (gpu_engine prints the same)
+
+    head, *rest = table_lines(st)
+    return ["### " + head.removeprefix("## "), "", f"From {source(name, r)}.", *rest[:-1]]
+
+
 STAGE_SECTIONS = {"llm": llm_section, "vllm": llm_section, "flow_hift": flow_hift_section, "profile": profile_section,
-                  "accuracy": accuracy_section}
+                  "accuracy": accuracy_section, "invariance": invariance_section}
 
 
 # -- docs/scaling.md ------------------------------------------------------------------------------------------
