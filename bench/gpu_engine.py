@@ -1016,6 +1016,20 @@ def _util(summary: dict | None) -> str:
     return ", ".join(f"{gpu} {u['mean_pct']}" for gpu, u in sorted(summary.items())) if summary else "-"
 
 
+def parts_lines(parts: dict) -> list[str]:
+    """The parts stage as a Markdown table (here and in bench/report.py)."""
+    lines = [f"## Where the GPU time goes: each part alone ({parts['config']}, {parts['segments']} segments, {parts['audio_s']} s of audio)", "",
+             "| part | variant | s | x real time | share % |", "|---|---|---|---|---|",
+             f"| LLM ({parts['rows']} rows, continuous) | shipped, {parts['llm_tokens_per_s']:,.0f} tokens/s | {parts['llm_s']} | - | {parts['share_pct']['llm']} |"]
+    for i, (name, v) in enumerate(parts["variants"].items()):
+        share_f = f" | {parts['share_pct']['flow']}" if i == 0 else " | -"
+        share_h = f" | {parts['share_pct']['hift']}" if i == 0 else " | -"
+        lines.append(f"| flow (batch {parts['flow_batch']}) | {name} | {v['flow_s']} | {v['flow_x_realtime']}{share_f} |")
+        lines.append(f"| HiFT (batch {parts['flow_batch']}) | {name} | {v['hift_s']} | {v['hift_x_realtime']}{share_h} |")
+    lines += ["", f"sum of the parts alone {parts['sum_alone_s']} s = {parts['x_realtime_if_serial']}x real time if nothing overlapped"]
+    return lines
+
+
 def table(results: dict) -> str:
     st = results["stages"]
     env = results["environment"]
@@ -1035,17 +1049,8 @@ def table(results: dict) -> str:
         if "vllm" in st and "startup_s" in st["vllm"]:
             lines.append(f"\nvLLM engine start-up {st['vllm']['startup_s']} s")
         lines.append("")
-    parts = st.get("parts")
-    if parts and "variants" in parts:
-        lines += [f"## Where the GPU time goes: each part alone ({parts['config']}, {parts['segments']} segments, {parts['audio_s']} s of audio)", "",
-                  "| part | variant | s | x real time | share % |", "|---|---|---|---|---|",
-                  f"| LLM ({parts['rows']} rows, continuous) | shipped | {parts['llm_s']} | {parts['llm_tokens_per_s']:,.0f} tokens/s | {parts['share_pct']['llm']} |"]
-        for i, (name, v) in enumerate(parts["variants"].items()):
-            share_f = f" | {parts['share_pct']['flow']}" if i == 0 else " | -"
-            share_h = f" | {parts['share_pct']['hift']}" if i == 0 else " | -"
-            lines.append(f"| flow (batch {parts['flow_batch']}) | {name} | {v['flow_s']} | {v['flow_x_realtime']}{share_f} |")
-            lines.append(f"| HiFT (batch {parts['flow_batch']}) | {name} | {v['hift_s']} | {v['hift_x_realtime']}{share_h} |")
-        lines += ["", f"sum of the parts alone {parts['sum_alone_s']} s = {parts['x_realtime_if_serial']}x real time if nothing overlapped", ""]
+    if "variants" in st.get("parts", {}):
+        lines += parts_lines(st["parts"]) + [""]
     h = results.get("headline")
     if h:
         lines += ["## Headline", "", "| path | x real time | baseline x real time | ratio | GPU busy % | segments | LLM tokens/s (corpus) | GPU | commit |",
