@@ -20,6 +20,8 @@ from its text (Settings.engine_forced_lengths, 25 speech tokens per second of au
   baseline   one segment at a time, eager: LLM fp32 step loop, flow fp16 autocast, HiFT fp32
   profile    torch.profiler of one decode step, one flow batch and one HiFT batch
   vllm       the vLLM backend's tokens/s, if vllm is importable
+  invariance per LLM dtype: probe segments alone vs inside full mixed batches (tokens, mel, audio identical?)
+             and the dtype's throughput; a decision on fp32 vs bf16 (bench/invariance.py)
 Unknown stage names are an error; a failing (or skipped) stage makes the script exit 1. The JSON records
 the commit measured and a `headline` object. Prints a table; writes JSON + Markdown (--out).
 """
@@ -790,6 +792,11 @@ class Bench:
                 "note": "voxbatch/worker/cosyvoice2/engine.py CosyVoice2Engine.serve (streaming scheduler) through "
                         "voxbatch/worker/pipeline.py, tasks fed as voxbatch worker feeds them (budget.py)"}
 
+    def invariance_stage(self) -> dict:
+        from bench.invariance import invariance_stage
+
+        return invariance_stage(self, parse_run(self.args.invariance_run), run_pipeline)
+
     def texts(self) -> list[str]:
         """The segment texts the engine renders: the bench corpus, one segment per sentence."""
         return [s.text for s in self.corpus]
@@ -1052,6 +1059,20 @@ def _util(summary: dict | None) -> str:
     return ", ".join(f"{gpu} {u['mean_pct']}" for gpu, u in sorted(summary.items())) if summary else "-"
 
 
+def parts_lines(parts: dict) -> list[str]:
+    """The parts stage as a Markdown table (here and in bench/report.py)."""
+    lines = [f"## Where the GPU time goes: each part alone ({parts['config']}, {parts['segments']} segments, {parts['audio_s']} s of audio)", "",
+             "| part | variant | s | x real time | share % |", "|---|---|---|---|---|",
+             f"| LLM ({parts['rows']} rows, continuous) | shipped, {parts['llm_tokens_per_s']:,.0f} tokens/s | {parts['llm_s']} | - | {parts['share_pct']['llm']} |"]
+    for i, (name, v) in enumerate(parts["variants"].items()):
+        share_f = f" | {parts['share_pct']['flow']}" if i == 0 else " | -"
+        share_h = f" | {parts['share_pct']['hift']}" if i == 0 else " | -"
+        lines.append(f"| flow (batch {parts['flow_batch']}) | {name} | {v['flow_s']} | {v['flow_x_realtime']}{share_f} |")
+        lines.append(f"| HiFT (batch {parts['flow_batch']}) | {name} | {v['hift_s']} | {v['hift_x_realtime']}{share_h} |")
+    lines += ["", f"sum of the parts alone {parts['sum_alone_s']} s = {parts['x_realtime_if_serial']}x real time if nothing overlapped"]
+    return lines
+
+
 def table(results: dict) -> str:
     st = results["stages"]
     env = results["environment"]
@@ -1071,17 +1092,8 @@ def table(results: dict) -> str:
         if "vllm" in st and "startup_s" in st["vllm"]:
             lines.append(f"\nvLLM engine start-up {st['vllm']['startup_s']} s")
         lines.append("")
-    parts = st.get("parts")
-    if parts and "variants" in parts:
-        lines += [f"## Where the GPU time goes: each part alone ({parts['config']}, {parts['segments']} segments, {parts['audio_s']} s of audio)", "",
-                  "| part | variant | s | x real time | share % |", "|---|---|---|---|---|",
-                  f"| LLM ({parts['rows']} rows, continuous) | shipped | {parts['llm_s']} | {parts['llm_tokens_per_s']:,.0f} tokens/s | {parts['share_pct']['llm']} |"]
-        for i, (name, v) in enumerate(parts["variants"].items()):
-            share_f = f" | {parts['share_pct']['flow']}" if i == 0 else " | -"
-            share_h = f" | {parts['share_pct']['hift']}" if i == 0 else " | -"
-            lines.append(f"| flow (batch {parts['flow_batch']}) | {name} | {v['flow_s']} | {v['flow_x_realtime']}{share_f} |")
-            lines.append(f"| HiFT (batch {parts['flow_batch']}) | {name} | {v['hift_s']} | {v['hift_x_realtime']}{share_h} |")
-        lines += ["", f"sum of the parts alone {parts['sum_alone_s']} s = {parts['x_realtime_if_serial']}x real time if nothing overlapped", ""]
+    if "variants" in st.get("parts", {}):
+        lines += parts_lines(st["parts"]) + [""]
     h = results.get("headline")
     if h:
         lines += ["## Headline", "", "| path | x real time | baseline x real time | ratio | GPU busy % | segments | LLM tokens/s (corpus) | GPU | commit |",
@@ -1112,6 +1124,10 @@ def table(results: dict) -> str:
                   f"({rd['x_realtime']}x real time), start-up {rd['startup_s']} s, first segment {rd['first_segment_s']} s, "
                   f"rendering {rd['rendering_s']} s, assembly tail {rd['assembly_tail_s']} s; GPU busy {rd['gpu_busy_pct']}% "
                   f"(by phase {rd['gpu_busy_pct_by_phase']})", ""]
+    if "invariance" in st:
+        from bench.invariance import table_lines
+
+        lines += table_lines(st["invariance"])
     acc = st.get("accuracy")
     if acc:
         lines += ["## Precision vs fp32 (same inputs)", "", "```", json.dumps({k: v for k, v in acc.items() if k not in ("peak_gpu_gib", "stage_wall_s")}, indent=1), "```", ""]
@@ -1120,7 +1136,7 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
-STAGES = ("accuracy", "llm", "parts", "engine", "worker", "render", "baseline", "profile", "vllm")
+STAGES = ("accuracy", "llm", "parts", "engine", "worker", "render", "baseline", "profile", "vllm", "invariance")
 RENDER_CHAPTERS = 8  # the render stage's book: the bench corpus in this many chapters
 
 
@@ -1155,6 +1171,12 @@ def main() -> None:
     ap.add_argument("--redis-server", default=None, help="redis-server binary for the worker stage (default: PATH)")
     ap.add_argument("--engine-runs", nargs="+", default=["rows=256,flow=64,task=16"],
                     help="engine stage: one run per configuration (same keys as --worker-run)")
+    ap.add_argument("--invariance-run", default="rows=256",
+                    help="invariance stage: the engine's configuration (same keys as --worker-run; dtype is set per run)")
+    ap.add_argument("--invariance-dtypes", nargs="+", choices=["bfloat16", "float32"], default=["bfloat16", "float32"],
+                    help="invariance stage: LLM dtypes compared (the first also runs the flow/HiFT part checks)")
+    ap.add_argument("--invariance-segments", type=int, default=256, help="invariance stage: segments of each mixed batch")
+    ap.add_argument("--invariance-probes", type=int, default=16, help="invariance stage: probe segments rendered alone and in batches")
     ap.add_argument("--format", default="wav", choices=["wav", "flac", "ogg"])
     ap.add_argument("--baseline-segments", type=int, default=10)
     ap.add_argument("--vllm-mem", type=float, default=0.3)
@@ -1170,6 +1192,7 @@ def main() -> None:
     for spec in args.engine_runs:
         parse_run(spec, switches=True)
     parse_run(args.worker_run)
+    parse_run(args.invariance_run)
 
     torch.manual_seed(0)
     bench = Bench(args)

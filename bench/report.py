@@ -28,7 +28,7 @@ RESULTS = REPO / "bench" / "results"
 MARK = re.compile(r"(<!-- bench:(?P<name>[\w-]+) begin -->\n)(?P<body>.*?)(<!-- bench:(?P=name) end -->)", re.DOTALL)
 # Issue 11's targets for the worker on one GPU.
 TARGET_X_REALTIME, TARGET_GPU_BUSY_PCT, TARGET_VS_BASELINE, TARGET_TASK_SIZE_PCT = 250, 95, 100, 90
-STAGE_ORDER = ("accuracy", "llm", "flow_hift", "engine", "worker", "baseline", "profile", "vllm")
+STAGE_ORDER = ("accuracy", "llm", "parts", "engine", "worker", "baseline", "profile", "vllm", "invariance")
 HIDDEN_OPTIONS = ("--redis-server", "--out", "--fixture-yaml")  # paths of the machine that ran it
 
 
@@ -237,16 +237,11 @@ def llm_section(stage: str, st: dict, name: str, r: dict) -> list[str]:
     return head + table(["impl", "rows", "requests", "tokens", "s", "tokens/s", "peak GiB"], rows) + tail
 
 
-def flow_hift_section(stage: str, st: dict, name: str, r: dict) -> list[str]:
-    rows = [[str(x["batch"]), x["hift_dtype"], num(x["segments"]), num(x["audio_s"]), num(x["flow_x_realtime"]), num(x["hift_x_realtime"]),
-             num(x["flow_hift_x_realtime"]), num(x.get("peak_gpu_gib"))] for x in st["rows"]]
-    lines = ["### flow + HiFT: audio seconds per second", "", f"From {source(name, r)}; flow {st.get('flow_dtype')}.", "",
-             *table(["batch", "HiFT dtype", "segments", "audio s", "flow × real time", "HiFT × real time", "both × real time", "peak GiB"], rows)]
-    comp = st.get("compiled")
-    if comp:
-        lines += ["", f"Flow estimator through torch.compile (batch {comp['compiled']['batch']}): {comp['compiled']['flow_x_realtime']}× real time "
-                      f"against {comp['eager']['flow_x_realtime']}× eager (speed-up {comp['speedup']}), compiled in {comp['compile_s']} s."]
-    return lines
+def parts_section(stage: str, st: dict, name: str, r: dict) -> list[str]:
+    from bench.gpu_engine import parts_lines  # the stage's own table (gpu_engine prints the same)
+
+    head, *rest = parts_lines(st)
+    return ["### " + head.removeprefix("## "), "", f"From {source(name, r)}.", *rest]
 
 
 def profile_section(stage: str, st: dict, name: str, r: dict) -> list[str]:
@@ -287,8 +282,15 @@ def flat_table(st: dict) -> list[str]:
     return table(["measure", "value"], rows)
 
 
-STAGE_SECTIONS = {"llm": llm_section, "vllm": llm_section, "flow_hift": flow_hift_section, "profile": profile_section,
-                  "accuracy": accuracy_section}
+def invariance_section(stage: str, st: dict, name: str, r: dict) -> list[str]:
+    from bench.invariance import table_lines  # the stage's own table (gpu_engine prints the same)
+
+    head, *rest = table_lines(st)
+    return ["### " + head.removeprefix("## "), "", f"From {source(name, r)}.", *rest[:-1]]
+
+
+STAGE_SECTIONS = {"llm": llm_section, "vllm": llm_section, "parts": parts_section, "profile": profile_section,
+                  "accuracy": accuracy_section, "invariance": invariance_section}
 
 
 # -- docs/scaling.md ------------------------------------------------------------------------------------------

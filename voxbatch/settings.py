@@ -73,10 +73,15 @@ class Settings(BaseSettings):
     # Most rows in one flow + HiFT batch (length-bucketed). Unset: half the engine's LLM rows, at most
     # 128 (the fastest measured on an H200: 128 rows on 256 LLM rows, bench/results/h200_probe1.json).
     engine_flow_batch: int | None = Field(None, ge=1)
-    # LLM precision on a GPU ("auto": bf16). bf16 is batch-dependent: on an H200, RAS sampling gave 2
-    # of 4 segments other tokens in a batch than alone (fp32: 4 of 4 the same; bench/results/gpu_tests_h200.txt),
-    # so a segment re-rendered in another batch (retry) can come out different. "float32" makes
-    # re-renders identical everywhere.
+    # LLM precision on a GPU ("auto": bf16; a CPU always runs fp32). It sets what a segment re-rendered
+    # in another batch (a retry, a solo re-render) keeps. "float32": the same speech tokens, so the same
+    # words, timing and length, and a mel within the flow's fp16 rounding (fp32 logits still differ per
+    # batch shape by rounding, which moved no draw in 4 of 4 segments on an H200,
+    # bench/results/gpu_tests_h200.txt). Audio is never bit-identical: the flow (fp16) and HiFT pick
+    # kernels per batch shape and HiFT integrates F0 into phase, so samples move. "bfloat16": none of
+    # it (H200: RAS gave 2 of 4 segments other tokens in a batch than alone).
+    # tests/test_gpu_batch_invariance.py asserts this; `python -m bench.gpu_engine --stages
+    # invariance` measures both dtypes and what float32 costs.
     llm_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     # Run the flow estimator through torch.compile when the flow sits on a GPU. Off: compiling adds
     # minutes of warm-up and no committed result shows it paying off through the worker's engine
