@@ -9,14 +9,19 @@ written as an official model folder for the worker and the engine; every segment
 from its text (Settings.engine_forced_lengths, 25 speech tokens per second of audio). Stages:
   accuracy   bf16/fp16 vs fp32 on the same inputs (LLM log-probs, flow mels, HiFT waveforms)
   llm        speech tokens/s of the torch backend vs batch size, and over the mixed-length corpus
-  flow_hift  audio s per s vs batch size, length-bucketed batches (optionally compiled flow, A/B)
+  parts      where the GPU time goes: the shipped engine's LLM, flow and HiFT each alone over the corpus,
+             with same-run A/B of the flow layout and the fused Snake
   worker     `voxbatch worker` fed by `voxbatch submit` through a redis-server here (bench/worker_run.py),
              one job per task size; the first is the headline figure
+  render     `voxbatch render` (one process, as a user runs it) over the corpus as a book: wall time, its
+             phases (start-up, first segment, rendering, assembly tail) and GPU busy per phase
   engine     the worker's CosyVoice2Engine through its Pipeline, fed as a worker feeds it, one run per
              configuration (same-run A/B), on the worker's job segments
   baseline   one segment at a time, eager: LLM fp32 step loop, flow fp16 autocast, HiFT fp32
   profile    torch.profiler of one decode step, one flow batch and one HiFT batch
   vllm       the vLLM backend's tokens/s vs batch size, and next to the torch backend over the corpus
+  invariance per LLM dtype: probe segments alone vs inside full mixed batches (tokens, mel, audio identical?)
+             and the dtype's throughput; a decision on fp32 vs bf16 (bench/invariance.py)
 Unknown stage names are an error; a failing (or skipped) stage makes the script exit 1. The JSON records
 the commit measured and a `headline` object. Prints a table; writes JSON + Markdown (--out).
 """
@@ -38,8 +43,8 @@ import threading
 import time
 import traceback
 from collections import defaultdict
-from collections.abc import Callable
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -273,8 +278,15 @@ class GpuUtilisation:
         for t, gpu, u in self.samples:
             if window is None or window[0] <= t <= window[1]:
                 per[gpu].append(u)
-        return {gpu: {"mean_pct": round(sum(v) / len(v), 1), "max_pct": max(v), "samples": len(v)}
+        return {gpu: {"mean_pct": round(sum(v) / len(v), 1), "max_pct": max(v), "samples": len(v),
+                      "by_tenth_pct": [round(sum(c) / len(c), 1) if c else None for c in _tenths(v)]}
                 for gpu, v in per.items() if v}
+
+
+def _tenths(v: list[float]) -> list[list[float]]:
+    """The samples cut into ten consecutive parts: where in a run the GPU idled (start, middle, tail)."""
+    n = len(v)
+    return [v[i * n // 10 : (i + 1) * n // 10] for i in range(10)]
 
 
 def busy_pct(summary: dict | None) -> float | None:
@@ -290,15 +302,46 @@ RUN_KEYS = {"rows": "engine_max_batch", "flow": "engine_flow_batch", "task": "ba
             "format": "output_format"}
 
 
-def parse_run(spec: str) -> dict[str, str]:
-    """'rows=256,flow=64,task=16' -> {'rows': '256', ...}; unknown keys are an error."""
+# Engine-stage A/B of scheduler and kernel choices that are code constants, not settings: key ->
+# (module, attribute, parse). Set in this process for one run and restored after (engine stage only).
+SWITCHES = {
+    "prio": ("voxbatch.worker.cosyvoice2.streaming", "LLM_STREAM_PRIORITY", int),
+    "longest": ("voxbatch.worker.cosyvoice2.streaming", "LONGEST_FIRST", lambda v: v in ("1", "true")),
+    "idle_div": ("voxbatch.worker.cosyvoice2.streaming", "IDLE_BATCH_DIV", int),
+    "octave": ("voxbatch.worker.cosyvoice2.streaming", "BUCKETS_PER_OCTAVE", int),
+    "fused_llm": ("voxbatch.worker.cosyvoice2.llm", "FUSED_KERNELS", lambda v: v in ("1", "true")),
+}
+
+
+def parse_run(spec: str, switches: bool = False) -> dict[str, str]:
+    """'rows=256,flow=64,task=16' -> {'rows': '256', ...}; unknown keys are an error (SWITCHES keys
+    only where `switches`: the engine stage)."""
     out = {}
+    allowed = {**RUN_KEYS, **(SWITCHES if switches else {})}
     for part in filter(None, spec.split(",")):
         key, sep, value = part.partition("=")
-        if not sep or key not in RUN_KEYS:
-            raise SystemExit(f"bad run spec {spec!r}: use key=value pairs with keys {', '.join(RUN_KEYS)}")
+        if not sep or key not in allowed:
+            raise SystemExit(f"bad run spec {spec!r}: use key=value pairs with keys {', '.join(allowed)}")
         out[key] = value
     return out
+
+
+@contextmanager
+def switched(run: dict[str, str]) -> Iterator[None]:
+    """The run's SWITCHES set on their modules for the duration."""
+    import importlib
+
+    saved = []
+    try:
+        for key, (module, attr, parse) in SWITCHES.items():
+            if key in run:
+                mod = importlib.import_module(module)
+                saved.append((mod, attr, getattr(mod, attr)))
+                setattr(mod, attr, parse(run[key]))
+        yield
+    finally:
+        for mod, attr, value in saved:
+            setattr(mod, attr, value)
 
 
 def commit() -> str:
@@ -317,7 +360,7 @@ def commit() -> str:
 def run_pipeline(engine: Engine, texts: list[str], storage_root: Path, settings: Settings, timeout_s: float = 600.0) -> dict:
     """The worker's own path without the broker: Pipeline (engine -> bounded queue -> upload threads ->
     a local folder), fed exactly as `voxbatch worker` feeds it: tasks of `settings.batch_size`
-    segments, `task_threads(settings)` of them at once, each holding its segments in the worker's
+    segments, `task_threads(settings, engine.max_batch)` of them at once, each holding its segments in the worker's
     `SegmentBudget` (voxbatch/worker/budget.py). Wall time from the first task to the last segment stored."""
     from voxbatch.jobstate import MemoryJobStore
     from voxbatch.models import RenderTask, SynthesisParams, TaskSegment, segment_id
@@ -336,7 +379,8 @@ def run_pipeline(engine: Engine, texts: list[str], storage_root: Path, settings:
                   for k in range(0, len(segs), bs)])
     metrics = StoreTimes()
     pipe = Pipeline(engine, LocalStorage(storage_root), jobs, settings, on_job_complete=lambda _j: None, metrics=metrics).start()
-    budget, lock = SegmentBudget(inflight_segments(settings)), threading.Lock()
+    rows = engine.max_batch  # engine_max_batch, or what the engine picked
+    budget, lock = SegmentBudget(inflight_segments(settings, rows)), threading.Lock()
 
     def task_thread() -> None:
         while True:
@@ -347,7 +391,7 @@ def run_pipeline(engine: Engine, texts: list[str], storage_root: Path, settings:
             with budget.hold(len(task.segments)):
                 pipe.submit(task).wait()
 
-    threads = [threading.Thread(target=task_thread, daemon=True) for _ in range(task_threads(settings))]
+    threads = [threading.Thread(target=task_thread, daemon=True) for _ in range(task_threads(settings, rows))]
     try:
         with GpuUtilisation() as util:
             t0 = time.perf_counter()
@@ -372,8 +416,9 @@ def run_pipeline(engine: Engine, texts: list[str], storage_root: Path, settings:
         "failed": metrics.failed,
         "speech_tokens_per_s": round(metrics.audio_s * 25 / wall, 1),
         "task_size": bs,
-        "task_threads": task_threads(settings),
-        "inflight_segments": inflight_segments(settings),
+        "engine_rows": rows,
+        "task_threads": task_threads(settings, rows),
+        "inflight_segments": inflight_segments(settings, rows),
         "engine_waited_on_full_queue_s": round(pipe.engine_waited_s, 3),
         "encode_and_write_s_summed_over_threads": round(metrics.store_s, 3),
         "job_state": getattr(status, "state", None),
@@ -390,7 +435,6 @@ class Bench:
         self.args = args
         self.t_start = time.perf_counter()
         self.results: dict = {"stages": {}, "errors": {}}
-        self.compiled_flow_fn = None  # set by flow_hift with --flow-compile
         self.tmp = Path(tempfile.mkdtemp(prefix="vb-gpu-bench-"))
         self.model_dir = write_model_dir(self.tmp / "model", tiny=args.tiny, fixture_yaml=args.fixture_yaml)
         self.storage_root = self.tmp / "storage"  # voices and rendered segments (file:// storage)
@@ -401,7 +445,7 @@ class Bench:
         self.devices = sorted({self.llm_dev, self.flow_dev})
         low = torch.bfloat16 if dev.startswith("cuda") else torch.float32
         flow_low = torch.float16 if dev.startswith("cuda") else torch.float32
-        self.hift_low = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.hift_dtype] if dev.startswith("cuda") else torch.float32
+        self.hift_low = torch.float32  # as the engine places HiFT (engine.Placement)
         t = time.perf_counter()
         self.llm = build_llm(self.model_dir, self.llm_dev, low)
         self.flow = build_flow(self.model_dir, self.flow_dev, flow_low)
@@ -610,88 +654,96 @@ class Bench:
                       "tokens": {"vllm": by_vllm["tokens"], "torch": by_torch["tokens"]}}
         return {"startup_s": round(startup, 1), "rows": rows, "corpus": corpus_cmp, "gpu_memory_utilization": self.args.vllm_mem}
 
-    # -- flow + HiFT -------------------------------------------------------------------------------------
+    # -- where the GPU time goes ----------------------------------------------------------------------------
 
-    def flow_hift_stage(self) -> dict:
-        a = self.args
-        rows = []
-        hifts = {a.hift_dtype: self.hift}
-        if self.flow_dev.startswith("cuda") and a.hift_dtype != "fp32":
-            hifts["fp32"] = build_hift(self.model_dir, self.flow_dev, torch.float32)
-        by_len = sorted(self.corpus, key=lambda s: s.speech_tokens)
-        for hname, hift in hifts.items():
-            renderer = Renderer(self.flow, hift, self.prompt, self.flow_dev)
-            renderer([[1] * 50], [0])  # warm-up
-            for B in a.flow_batches:
-                if hname != a.hift_dtype and B != max(a.flow_batches):
-                    continue
-                pick, batches = self._flow_batches(by_len, B)
-                renderer.times.clear()
-                reset_peak([self.flow_dev])
-                audio = 0.0
-                sync()
-                t = time.perf_counter()
-                for toks in batches:
-                    wavs = renderer(toks, list(range(len(toks))))
-                    audio += sum(len(w) for w in wavs) / SAMPLE_RATE
-                sync()
-                wall = time.perf_counter() - t
-                rt = renderer.times
-                rows.append({
-                    "batch": B, "hift_dtype": hname, "segments": len(pick), "audio_s": round(audio, 1),
-                    "flow_s": round(rt["flow"], 3), "hift_s": round(rt["hift"], 3), "d2h_s": round(rt["d2h"], 3),
-                    "flow_x_realtime": round(audio / rt["flow"], 1), "hift_x_realtime": round(audio / rt["hift"], 1),
-                    "flow_hift_x_realtime": round(audio / wall, 1), "peak_gpu_gib": peak_gib([self.flow_dev]),
-                })
-                print(f"  flow/hift B={B:3d} hift {hname}: flow {audio / rt['flow']:8.1f}x  hift {audio / rt['hift']:8.1f}x  "
-                      f"both {audio / wall:8.1f}x realtime", flush=True)
-        out = {"rows": rows, "flow_dtype": str(self.flow.dtype), "note": "audio s per wall s; prompt (8 s) included in every flow row as the model needs"}
-        if a.flow_compile:
-            out["compiled"] = self._flow_compiled_rows(by_len)
-        return out
+    def shipped_engine(self, spec: str):
+        """The worker's CosyVoice2Engine, built from the official folder with a run's settings, warmed."""
+        from voxbatch.worker.cosyvoice2.engine import CosyVoice2Engine
 
-    def _flow_batches(self, by_len: list[Segment], B: int) -> tuple[list[Segment], list[list[list[int]]]]:
-        """Length buckets: a spread of the corpus (every k-th by length), cut into B-sized runs of similar
-        length; -> the segments picked, and each run's speech tokens."""
-        a = self.args
-        n = min(len(by_len), max(a.flow_min_segments, a.flow_batches_per_size * B))
-        pick = by_len[:: max(1, len(by_len) // n)][:n]
-        batches = [[[(j * 131 + k * 7) % self.speech_vocab for k in range(s.speech_tokens)] for j, s in enumerate(pick[i : i + B])]
-                   for i in range(0, len(pick), B)]
-        return pick, batches
+        env = self.engine_env(parse_run(spec))
+        settings = Settings(**{k[len("VOXBATCH_"):].lower(): v for k, v in env.items()})
+        engine = CosyVoice2Engine.from_settings(settings)
+        engine.warmup()
+        return engine, settings, env
 
-    def _flow_compiled_rows(self, by_len: list[Segment]) -> dict:
-        """The flow estimator through torch.compile (dynamic shapes) against eager, same batches."""
-        B = max(self.args.flow_batches)
-        renderer = Renderer(self.flow, self.hift, self.prompt, self.flow_dev)
-        pick, batches = self._flow_batches(by_len, B)
-        probe = batches[0][:4]
-        eager_mel, _ = renderer.mels(probe)
-        t0 = time.perf_counter()
-        self.flow.decoder.compile_estimator()
-        renderer.mels([[1] * 50]); renderer.mels(probe); sync()  # compile: B=1 and B>1 (dynamo specialises 1)
-        compile_s = time.perf_counter() - t0
-        compiled = self.flow.decoder.compiled_estimator
-        compiled_mel, _ = renderer.mels(probe)
-        res = {"compile_s": round(compile_s, 1), "mel_max_abs_vs_eager": float((compiled_mel - eager_mel).abs().max()),
-               "mel_rel_l2_vs_eager": float((compiled_mel - eager_mel).norm() / eager_mel.norm())}
-        for label, fn in (("compiled", compiled), ("eager", None)):
-            self.flow.decoder.compiled_estimator = fn
-            renderer.mels(probe); sync()
-            t = time.perf_counter()
-            frames = 0
-            for b in batches:
-                mel, lens = renderer.mels(b)
-                frames += int(lens.sum())
+    @torch.inference_mode()
+    def parts_stage(self) -> dict:
+        """The shipped engine's three parts, each alone over the whole corpus: the LLM backend's
+        continuous decode at the run's rows, then flow and HiFT over length-sorted batches of the
+        run's flow batch (`CosyVoice2Engine.mels` / `.waves`, what the scheduler's vocoder thread
+        calls). Their sum against the end-to-end wall shows how much runs overlapped. The same run
+        A/Bs the fused Snake (a class switch, restored after). (The time-major flow estimator measured
+        1.15x the channel-major one in bench/results/h200_probe2.json and replaced it.)"""
+        from voxbatch.models import SynthesisParams
+        from voxbatch.worker.cosyvoice2.hift import Snake
+        from voxbatch.worker.engine import SynthesisRequest
+
+        spec = self.args.worker_run
+        engine, settings, _ = self.shipped_engine(spec)
+        try:
+            items = [engine.item(SynthesisRequest(f"p{i}", text, "bench", i, SynthesisParams()))
+                     for i, text in enumerate(self.texts())]
             sync()
-            wall = time.perf_counter() - t
-            audio = frames * 480 / SAMPLE_RATE
-            res[label] = {"batch": B, "segments": len(pick), "audio_s": round(audio, 1), "flow_s": round(wall, 3), "flow_x_realtime": round(audio / wall, 1)}
-            print(f"  flow B={B} {label}: {audio / wall:8.1f}x realtime", flush=True)
-        res["dynamo_unique_graphs"] = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
-        res["speedup"] = round(res["eager"]["flow_s"] / res["compiled"]["flow_s"], 3)
-        self.compiled_flow_fn = compiled  # e2e's compiled-flow run reuses it (no second compile)
-        return res
+            t = time.perf_counter()
+            for res in engine.llm.generate([it.llm for it in items]):
+                items[res.index].tokens = res.tokens
+            sync()
+            llm_s = time.perf_counter() - t
+            n_tokens = sum(len(it.tokens) for it in items)
+            fb = engine.flow_batch
+            by_len = sorted(items, key=lambda it: len(it.tokens))
+            batches = [by_len[i : i + fb] for i in range(0, len(by_len), fb)]
+            variants = {"shipped (fused Snake)": True, "eager Snake": False}
+            def measure(fused: bool) -> tuple[float, float, float]:
+                Snake.fused = fused
+                try:
+                    flow_s = hift_s = audio = 0.0
+                    for b in batches:
+                        sync()
+                        t0 = time.perf_counter()
+                        mels = engine.mels([it.tokens for it in b], [it.voice for it in b])
+                        sync()
+                        t1 = time.perf_counter()
+                        wavs = engine.waves(mels, [1.0] * len(b), [it.request.seed for it in b])
+                        t2 = time.perf_counter()
+                        flow_s, hift_s = flow_s + t1 - t0, hift_s + t2 - t1
+                        audio += sum(len(w) for w in wavs) / engine.sample_rate
+                    return flow_s, hift_s, audio
+                finally:
+                    Snake.fused = True
+
+            for fused in variants.values():  # warm every variant's kernels and allocations first
+                Snake.fused = fused
+                engine.vocode(batches[len(batches) // 2])
+            Snake.fused = True
+            runs: dict[str, list[tuple[float, float, float]]] = defaultdict(list)
+            for _ in range(2):  # interleaved A/B/C, twice; the faster of the two counts
+                for name, fused in variants.items():
+                    runs[name].append(measure(fused))
+            rows = {}
+            for name, reps in runs.items():
+                flow_s, hift_s = min(r[0] for r in reps), min(r[1] for r in reps)
+                audio = reps[0][2]
+                rows[name] = {"flow_s": round(flow_s, 3), "hift_s": round(hift_s, 3), "audio_s": round(audio, 1),
+                              "flow_x_realtime": round(audio / flow_s, 1), "hift_x_realtime": round(audio / hift_s, 1),
+                              "reps_flow_s": [round(r[0], 3) for r in reps], "reps_hift_s": [round(r[1], 3) for r in reps]}
+                print(f"  parts {name}: flow {flow_s:.2f}s ({audio / flow_s:.0f}x)  hift {hift_s:.2f}s ({audio / hift_s:.0f}x)", flush=True)
+            shipped = next(iter(rows.values()))
+            total = llm_s + shipped["flow_s"] + shipped["hift_s"]
+            return {
+                "config": spec, "segments": len(items), "audio_s": shipped["audio_s"], "flow_batch": fb, "rows": engine.max_batch,
+                "llm_s": round(llm_s, 3), "llm_tokens": n_tokens, "llm_tokens_per_s": round(n_tokens / llm_s, 1),
+                "variants": rows, "sum_alone_s": round(total, 3),
+                "share_pct": {"llm": round(100 * llm_s / total, 1), "flow": round(100 * shipped["flow_s"] / total, 1),
+                              "hift": round(100 * shipped["hift_s"] / total, 1)},
+                "x_realtime_if_serial": round(shipped["audio_s"] / total, 1),
+                "note": "each part alone, synchronised; the engine/worker stages run them overlapped on two streams",
+            }
+        finally:
+            close = getattr(engine.llm, "close", None)
+            if close is not None:
+                close()
+            del engine
 
     # -- the shipped engine and the real worker -------------------------------------------------------------
 
@@ -718,7 +770,8 @@ class Bench:
         if not self.llm_dev.startswith("cuda"):
             env["VOXBATCH_LLM_DEVICE"] = "cpu"
         for k, v in run.items():
-            env[f"VOXBATCH_{RUN_KEYS.get(k, k).upper()}"] = v
+            if k not in SWITCHES:
+                env[f"VOXBATCH_{RUN_KEYS.get(k, k).upper()}"] = v
         return env
 
     def engine_stage(self) -> dict:
@@ -731,34 +784,41 @@ class Bench:
         texts = self.texts()
         runs = {}
         for spec in self.args.engine_runs:
-            env = self.engine_env(parse_run(spec))
+            run = parse_run(spec, switches=True)
+            env = self.engine_env(run)
             settings = Settings(**{k[len("VOXBATCH_"):].lower(): v for k, v in env.items()})
-            t = time.perf_counter()
-            engine = CosyVoice2Engine.from_settings(settings)
-            engine.warmup()
-            start_s = time.perf_counter() - t
-            try:
-                run_pipeline(engine, texts[: min(len(texts), 2 * settings.batch_size)], self.storage_root, settings)
-                reset_peak(self.devices)
-                r = run_pipeline(engine, texts, self.storage_root, settings)
-                r.update(config=spec, env={k: v for k, v in env.items() if k not in ("VOXBATCH_MODEL_DIR", "VOXBATCH_STORAGE_URL")},
-                         start_and_warmup_s=round(start_s, 1), peak_gpu_gib=peak_gib(self.devices))
-                runs[spec] = r
-                print(f"  engine {spec}: {r['x_realtime']:.1f}x realtime, wall {r['wall_s']}s, GPU busy {r['gpu_busy_pct']}%, "
-                      f"stored {r['stored']}, failed {r['failed']}", flush=True)
-                if r["failed"]:
-                    raise RuntimeError(f"engine run {spec}: {r['failed']} segments failed")
-            finally:
-                close = getattr(engine.llm, "close", None)
-                if close is not None:
-                    close()
-                del engine
-                gc.collect()
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
+            with switched(run):  # from the build on: graphs are captured with the switches set
+                t = time.perf_counter()
+                engine = CosyVoice2Engine.from_settings(settings)
+                engine.warmup()
+                start_s = time.perf_counter() - t
+                try:
+                    run_pipeline(engine, texts[: min(len(texts), 2 * settings.batch_size)], self.storage_root, settings)
+                    reset_peak(self.devices)
+                    r = run_pipeline(engine, texts, self.storage_root, settings)
+                    r.update(config=spec, env={k: v for k, v in env.items() if k not in ("VOXBATCH_MODEL_DIR", "VOXBATCH_STORAGE_URL")},
+                             start_and_warmup_s=round(start_s, 1), peak_gpu_gib=peak_gib(self.devices))
+                    runs[spec] = r
+                    print(f"  engine {spec}: {r['x_realtime']:.1f}x realtime, wall {r['wall_s']}s, GPU busy {r['gpu_busy_pct']}%, "
+                          f"stored {r['stored']}, failed {r['failed']}", flush=True)
+                    if r["failed"]:
+                        raise RuntimeError(f"engine run {spec}: {r['failed']} segments failed")
+                finally:
+                    close = getattr(engine.llm, "close", None)
+                    if close is not None:
+                        close()
+                    del engine
+                    gc.collect()
+                    if torch.cuda.is_available():
+                        torch.cuda.empty_cache()
         return {"runs": runs, "texts": "the bench corpus, one segment per sentence",
                 "note": "voxbatch/worker/cosyvoice2/engine.py CosyVoice2Engine.serve (streaming scheduler) through "
                         "voxbatch/worker/pipeline.py, tasks fed as voxbatch worker feeds them (budget.py)"}
+
+    def invariance_stage(self) -> dict:
+        from bench.invariance import invariance_stage
+
+        return invariance_stage(self, parse_run(self.args.invariance_run), run_pipeline)
 
     def texts(self) -> list[str]:
         """The segment texts the engine renders: the bench corpus, one segment per sentence."""
@@ -816,6 +876,47 @@ class Bench:
                 "env": {k: v for k, v in env.items() if k not in ("VOXBATCH_MODEL_DIR", "VOXBATCH_STORAGE_URL")},
                 "note": "voxbatch worker process + voxbatch submit + redis-server; wall = job created -> last segment stored (Redis times)"}
 
+
+    def render_stage(self) -> dict:
+        """`voxbatch render` as a user runs it (its own process, `--json`) over the bench corpus written as
+        a book of RENDER_CHAPTERS chapters, with the worker run's engine settings: wall time, where it
+        went (start-up, first segment, rendering, the assembly tail after the last segment) and the GPU
+        busy share over the whole run and over each phase."""
+        from voxbatch import keys
+        from voxbatch.storage import LocalStorage
+
+        a = self.args
+        env = {**os.environ, **self.engine_env(parse_run(a.worker_run)),
+               "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+        out = Path(tempfile.mkdtemp(prefix="render-", dir=self.tmp))  # nothing rendered before: no reuse
+        LocalStorage(out).put(keys.voice("bench"), LocalStorage(self.storage_root).get(keys.voice("bench")))
+        per = math.ceil(len(self.corpus) / min(RENDER_CHAPTERS, len(self.corpus)))
+        book = out.parent / f"{out.name}.md"
+        book.write_text("".join(f"# Chapter {k + 1}\n\n" + "\n\n".join(s.text for s in self.corpus[i:i + per]) + "\n\n"
+                                for k, i in enumerate(range(0, len(self.corpus), per))), encoding="utf-8")
+        cmd = [sys.executable, "-m", "voxbatch.cli", "render", str(book), "--out", str(out), "--voice", "bench", "--json"]
+        with GpuUtilisation() as util:
+            t0 = time.time()
+            proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=a.worker_timeout_s)
+            wall = time.time() - t0
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+        if proc.returncode != 0 or not lines:
+            raise RuntimeError(f"voxbatch render exited {proc.returncode}: {proc.stderr[-2000:]}")
+        r = json.loads(lines[-1])
+        p, s0 = r["times"], r["started_at"]
+        ready, last = s0 + p["startup_s"], s0 + p["startup_s"] + p["rendering_s"]
+        windows = {"startup": (s0, ready), "rendering": (ready, last), "assembly_tail": (last, s0 + p["wall_s"])}
+        busy = {name: busy_pct(util.summary(window=w)) for name, w in windows.items()}
+        print(f"  render: {r['audio_s'] / wall:.1f}x realtime, wall {wall:.1f}s ({p}), GPU busy {busy}", flush=True)
+        phases = {k: v for k, v in p.items() if k != "wall_s"}
+        return {"segments": r["segments"], "chapters": math.ceil(len(self.corpus) / per), "state": r["state"],
+                "failed": r["failed"], "audio_s": r["audio_s"], "wall_s": round(wall, 3),
+                "x_realtime": round(r["audio_s"] / wall, 1), **phases, "command_wall_s": p["wall_s"],
+                "gpu_busy_pct": busy_pct(util.summary(window=(t0, t0 + wall))), "gpu_busy_pct_by_phase": busy,
+                "env": {k: v for k, v in self.engine_env(parse_run(a.worker_run)).items()
+                        if k not in ("VOXBATCH_MODEL_DIR", "VOXBATCH_STORAGE_URL")},
+                "note": "wall: process start to exit (imports included); phases from `voxbatch render --json`, "
+                        "timed from the command's start (after the interpreter's imports)"}
 
     # -- baseline -----------------------------------------------------------------------------------------------
 
@@ -904,6 +1005,8 @@ class Bench:
                 sync()
         out["decode_step"] = self._top(prof, f"decode step B={B} kv=512, 5 steps eager")
         backend.close()
+        if torch.cuda.is_available():
+            out["decode_step_graphs"] = self._graph_steps(B, acts)
         fb = max(self.args.flow_batches)
         by_len = sorted(self.corpus, key=lambda s: s.speech_tokens)
         chunk = by_len[len(by_len) // 2 : len(by_len) // 2 + fb]
@@ -926,6 +1029,38 @@ class Bench:
         (self.args.out / f"{self.args.name}_profile.txt").write_text("\n".join(lines))
         return out
 
+    @torch.inference_mode()
+    def _graph_steps(self, B: int, acts) -> dict:
+        """The decode step as the backend runs it (one CUDA graph per attention width): ms per step at
+        each width, and the kernels inside 5 replays at the widest."""
+        from torch.profiler import profile
+
+        backend = TorchLlmBackend(self.llm, B, self.max_seq, bucket_batches=False)
+        try:
+            rows = backend._state(B)
+            rows.fill(list(range(B)), self._fixed_requests(B, 40))
+            ms = {}
+            for w in [w for w in backend.widths if w <= self.max_seq]:
+                rows.run(w)
+                sync()
+                t = time.perf_counter()
+                for _ in range(20):
+                    rows.run(w)
+                sync()
+                ms[w] = round((time.perf_counter() - t) / 20 * 1000, 3)
+            widest = max(ms)
+            with profile(activities=acts) as prof:
+                for _ in range(5):
+                    rows.run(widest)
+                sync()
+            top = self._top(prof, f"decode step B={B} kv={widest}, 5 graph replays")
+            top["ms_per_step_by_width"] = ms
+            top["tokens_per_s_by_width"] = {w: round(B / (v / 1000)) for w, v in ms.items()}
+            print(f"  decode step B={B} graph ms by width: {ms}", flush=True)
+            return top
+        finally:
+            backend.close()
+
     @staticmethod
     def _top(prof, what: str) -> dict:
         sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
@@ -945,6 +1080,20 @@ class Bench:
 
 def _util(summary: dict | None) -> str:
     return ", ".join(f"{gpu} {u['mean_pct']}" for gpu, u in sorted(summary.items())) if summary else "-"
+
+
+def parts_lines(parts: dict) -> list[str]:
+    """The parts stage as a Markdown table (here and in bench/report.py)."""
+    lines = [f"## Where the GPU time goes: each part alone ({parts['config']}, {parts['segments']} segments, {parts['audio_s']} s of audio)", "",
+             "| part | variant | s | x real time | share % |", "|---|---|---|---|---|",
+             f"| LLM ({parts['rows']} rows, continuous) | shipped, {parts['llm_tokens_per_s']:,.0f} tokens/s | {parts['llm_s']} | - | {parts['share_pct']['llm']} |"]
+    for i, (name, v) in enumerate(parts["variants"].items()):
+        share_f = f" | {parts['share_pct']['flow']}" if i == 0 else " | -"
+        share_h = f" | {parts['share_pct']['hift']}" if i == 0 else " | -"
+        lines.append(f"| flow (batch {parts['flow_batch']}) | {name} | {v['flow_s']} | {v['flow_x_realtime']}{share_f} |")
+        lines.append(f"| HiFT (batch {parts['flow_batch']}) | {name} | {v['hift_s']} | {v['hift_x_realtime']}{share_h} |")
+    lines += ["", f"sum of the parts alone {parts['sum_alone_s']} s = {parts['x_realtime_if_serial']}x real time if nothing overlapped"]
+    return lines
 
 
 def table(results: dict) -> str:
@@ -969,18 +1118,8 @@ def table(results: dict) -> str:
             lines.append(f"\nmixed-length corpus, {vc['requests']} requests, {vc['rows']} rows, one run: vLLM {vc['vllm_tokens_per_s']:,.0f} "
                          f"tokens/s, torch {vc['torch_tokens_per_s']:,.0f} tokens/s, vLLM / torch = {vc['vllm_over_torch']}")
         lines.append("")
-    fh = st.get("flow_hift", {}).get("rows", [])
-    if fh:
-        lines += ["## flow + HiFT: audio seconds per second", "", "| batch | HiFT dtype | segments | audio s | flow x RT | HiFT x RT | both x RT | peak GiB |", "|---|---|---|---|---|---|---|---|"]
-        for r in fh:
-            lines.append(f"| {r['batch']} | {r['hift_dtype']} | {r['segments']} | {r['audio_s']} | {r['flow_x_realtime']} | {r['hift_x_realtime']} | {r['flow_hift_x_realtime']} | {r['peak_gpu_gib']} |")
-        comp = st["flow_hift"].get("compiled")
-        if comp:
-            lines.append(f"\nflow estimator through torch.compile (batch {comp['compiled']['batch']}, {comp['compiled']['segments']} segments): "
-                         f"{comp['compiled']['flow_x_realtime']}x vs eager {comp['eager']['flow_x_realtime']}x real time "
-                         f"(speed-up {comp['speedup']}); compile {comp['compile_s']} s; mel vs eager max abs {comp['mel_max_abs_vs_eager']:.2e}, "
-                         f"rel L2 {comp['mel_rel_l2_vs_eager']:.2e}")
-        lines.append("")
+    if "variants" in st.get("parts", {}):
+        lines += parts_lines(st["parts"]) + [""]
     h = results.get("headline")
     if h:
         lines += ["## Headline", "", "| path | x real time | baseline x real time | ratio | GPU busy % | segments | LLM tokens/s (corpus) | GPU | commit |",
@@ -1004,6 +1143,17 @@ def table(results: dict) -> str:
             lines.append(f"| baseline: one at a time, LLM fp32 step loop, flow fp16 autocast, HiFT fp32 | - | {base['segments']} | "
                          f"{base['audio_s']} | {base['wall_s']} | {base['x_realtime']} | - | - |")
         lines.append("")
+    rd = st.get("render")
+    if rd and "wall_s" in rd:
+        lines += ["## voxbatch render (one process, as a user runs it)", "",
+                  f"{rd['segments']} segments in {rd['chapters']} chapters, {rd['audio_s']} s of audio: wall {rd['wall_s']} s "
+                  f"({rd['x_realtime']}x real time), start-up {rd['startup_s']} s, first segment {rd['first_segment_s']} s, "
+                  f"rendering {rd['rendering_s']} s, assembly tail {rd['assembly_tail_s']} s; GPU busy {rd['gpu_busy_pct']}% "
+                  f"(by phase {rd['gpu_busy_pct_by_phase']})", ""]
+    if "invariance" in st:
+        from bench.invariance import table_lines
+
+        lines += table_lines(st["invariance"])
     acc = st.get("accuracy")
     if acc:
         lines += ["## Precision vs fp32 (same inputs)", "", "```", json.dumps({k: v for k, v in acc.items() if k not in ("peak_gpu_gib", "stage_wall_s")}, indent=1), "```", ""]
@@ -1012,7 +1162,8 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
-STAGES = ("accuracy", "llm", "flow_hift", "engine", "worker", "baseline", "profile", "vllm")
+STAGES = ("accuracy", "llm", "parts", "engine", "worker", "render", "baseline", "profile", "vllm", "invariance")
+RENDER_CHAPTERS = 8  # the render stage's book: the bench corpus in this many chapters
 
 
 def headline(r: dict) -> dict:
@@ -1037,12 +1188,7 @@ def main() -> None:
     ap.add_argument("--max-s", type=float, default=15.0, help="longest segment, seconds of audio")
     ap.add_argument("--llm-batches", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256])
     ap.add_argument("--llm-tokens", type=int, default=250, help="fixed output length in the batch sweep (10 s of audio)")
-    ap.add_argument("--flow-batches", type=int, nargs="+", default=[1, 4, 16, 64])
-    ap.add_argument("--flow-batches-per-size", type=int, default=2)
-    ap.add_argument("--flow-min-segments", type=int, default=16)
-    ap.add_argument("--hift-dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
-                    help="flow_hift: HiFT generator dtype (F0 and source stay fp32)")
-    ap.add_argument("--flow-compile", action="store_true", help="flow_hift: also run the estimator through torch.compile (A/B vs eager)")
+    ap.add_argument("--flow-batches", type=int, nargs="+", default=[64], help="profile: the flow batch profiled is the largest")
     ap.add_argument("--worker-run", default="rows=256,flow=64,task=16",
                     help="worker stage: VOXBATCH_* settings of the worker process, as key=value (keys: %s)" % ", ".join(RUN_KEYS))
     ap.add_argument("--worker-task-sizes", type=int, nargs="+", default=[16, 64],
@@ -1051,6 +1197,12 @@ def main() -> None:
     ap.add_argument("--redis-server", default=None, help="redis-server binary for the worker stage (default: PATH)")
     ap.add_argument("--engine-runs", nargs="+", default=["rows=256,flow=64,task=16"],
                     help="engine stage: one run per configuration (same keys as --worker-run)")
+    ap.add_argument("--invariance-run", default="rows=256",
+                    help="invariance stage: the engine's configuration (same keys as --worker-run; dtype is set per run)")
+    ap.add_argument("--invariance-dtypes", nargs="+", choices=["bfloat16", "float32"], default=["bfloat16", "float32"],
+                    help="invariance stage: LLM dtypes compared (the first also runs the flow/HiFT part checks)")
+    ap.add_argument("--invariance-segments", type=int, default=256, help="invariance stage: segments of each mixed batch")
+    ap.add_argument("--invariance-probes", type=int, default=16, help="invariance stage: probe segments rendered alone and in batches")
     ap.add_argument("--format", default="wav", choices=["wav", "flac", "ogg"])
     ap.add_argument("--baseline-segments", type=int, default=10)
     ap.add_argument("--vllm-mem", type=float, default=0.3)
@@ -1063,8 +1215,10 @@ def main() -> None:
     unknown = [s for s in args.stages if s not in STAGES]
     if unknown:
         ap.error(f"unknown stage(s) {', '.join(unknown)}; stages are {', '.join(STAGES)}")
-    for spec in args.engine_runs + [args.worker_run]:
-        parse_run(spec)
+    for spec in args.engine_runs:
+        parse_run(spec, switches=True)
+    parse_run(args.worker_run)
+    parse_run(args.invariance_run)
 
     torch.manual_seed(0)
     bench = Bench(args)

@@ -19,9 +19,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ["--tiny", "--device", "cpu", "--segments", "4", "--max-s", "3", "--llm-batches", "1", "2", "--llm-tokens", "4",
-         "--flow-batches", "2", "--flow-batches-per-size", "1", "--flow-min-segments", "2", "--baseline-segments", "1",
+         "--flow-batches", "2", "--baseline-segments", "1",
          "--worker-run", "rows=4,flow=2,task=2", "--worker-task-sizes", "4", "2", "--engine-runs", "rows=4,flow=2,task=2",
-         "--budget-s", "3000"]
+         "--invariance-run", "rows=4,flow=2,task=2", "--invariance-segments", "4", "--invariance-probes", "2", "--budget-s", "3000"]
 
 
 def bench(tmp_path: Path, *args: str, timeout: int = 1500) -> subprocess.CompletedProcess:
@@ -42,7 +42,7 @@ def test_every_stage_runs_on_cpu_and_the_result_has_a_headline(tmp_path, tiny_mo
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     r = json.loads((tmp_path / "gpu_engine.json").read_text())
     assert not r["errors"]
-    expected = {"accuracy", "llm", "flow_hift", "worker", "engine", "baseline", "profile", "vllm"}
+    expected = {"accuracy", "llm", "parts", "worker", "engine", "render", "baseline", "profile", "vllm", "invariance"}
     assert set(r["stages"]) == expected
     h = r["headline"]
     assert set(h) == {"path", "x_realtime", "baseline_x_realtime", "gpu", "commit", "segments", "llm_tokens_per_s_corpus", "gpu_busy_pct"}
@@ -54,3 +54,14 @@ def test_every_stage_runs_on_cpu_and_the_result_has_a_headline(tmp_path, tiny_mo
     assert h["x_realtime"] == worker["tasks_of_4"]["x_realtime"] and h["baseline_x_realtime"] > 0
     (engine,) = r["stages"]["engine"]["runs"].values()
     assert engine["stored"] == r["corpus"]["segments"] and engine["failed"] == 0
+    render = r["stages"]["render"]
+    assert render["state"] == "completed" and render["failed"] == 0 and render["segments"] > 0
+    assert all(render[k] >= 0 for k in ("startup_s", "first_segment_s", "rendering_s", "assembly_tail_s"))
+    inv = r["stages"]["invariance"]
+    assert set(inv["dtypes"]) == {"bfloat16", "float32"} and len(inv["probes"]) == 2
+    for run in inv["dtypes"].values():  # a CPU runs the LLM in fp32 whatever is asked: batch-invariant tokens
+        assert run["effective_llm_dtype"] == "float32" and run["tokens_identical"] == run["probes"] == 2
+        assert run["llm_tokens_per_s_corpus"] > 0 and run["x_realtime"] > 0 and run["pipeline"]["failed"] == 0
+        assert run["alone_rerun_identical"] == "2/2"
+    assert set(inv["decision"]) >= {"fp32_x_realtime_cost_pct", "fp32_llm_cost_pct", "bfloat16", "float32", "recommend"}
+    assert "## Re-render identity" in (tmp_path / "gpu_engine.md").read_text()

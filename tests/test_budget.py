@@ -10,11 +10,11 @@ from voxbatch.worker.budget import SegmentBudget, inflight_segments, task_thread
 
 
 def test_threads_follow_the_engine_rows_and_the_task_size():
-    s = Settings(engine_max_batch=256, batch_size=16)
-    assert inflight_segments(s) == 512 and task_threads(s) == 32
-    assert task_threads(Settings(engine_max_batch=256, batch_size=64)) == 8
-    assert task_threads(Settings(engine_max_batch=256, batch_size=64, task_concurrency=3)) == 3
-    assert inflight_segments(Settings(engine_max_batch=8, worker_inflight_segments=100)) == 100
+    s = Settings(batch_size=16)
+    assert inflight_segments(s, 256) == 512 and task_threads(s, 256) == 32
+    assert task_threads(Settings(batch_size=64), 256) == 8
+    assert task_threads(Settings(batch_size=64, task_concurrency=3), 256) == 3
+    assert inflight_segments(Settings(worker_inflight_segments=100), 8) == 100
 
 
 def _peak(budget: SegmentBudget, sizes: list[int]) -> int:

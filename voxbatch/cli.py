@@ -328,6 +328,14 @@ def worker(gpus: Optional[str] = typer.Option(None, help="comma-separated GPU id
     raise typer.Exit(run_workers(ids, concurrency, queues, env_overrides=env))
 
 
+@app.command("settings")
+def settings_table():
+    """Print every setting (environment variable, type, default, what it does) as docs/settings.md."""
+    from voxbatch.settings_doc import markdown
+
+    sys.stdout.write(markdown())
+
+
 @app.command()
 def assembler(concurrency: int = typer.Option(2, help="assemble tasks at once")):
     """Start the CPU assembler: chapters, manifest, subtitles and m4b once a job's last segment lands;
@@ -367,17 +375,25 @@ def render(path: Optional[Path] = typer.Argument(None, help="corpus (.txt, .md, 
            lexicon: Optional[Path] = typer.Option(None, help=LEXICON_HELP),
            no_reuse: bool = typer.Option(False, "--no-reuse", help=NO_REUSE_HELP),
            resume: Optional[str] = typer.Option(
-               None, help="job id in OUT to continue as it was planned (the same command resumes by itself)")):
+               None, help="job id in OUT to continue as it was planned (the same command resumes by itself)"),
+           json_out: bool = typer.Option(False, "--json", help="print the result as one JSON object (with where "
+                                                              "the wall time went) instead of the summary line")):
     """Render a corpus in this process into a local folder (no Redis, no S3): the embedded default.
 
     Ctrl-C keeps what is rendered; running the same command again renders only what is missing."""
+    import json
     import os
+    import time
+
+    started_at, started_unix = time.monotonic(), time.time()
 
     from rich.progress import Progress
 
     from voxbatch.models import SynthesisParams
     from voxbatch.producer.control import JobBar, progress_columns
-    from voxbatch.embedded import RenderInterrupted, render_local
+    from voxbatch.embedded import RenderInterrupted, RenderTimes, render_local
+
+    times = RenderTimes(start=started_at)
 
     if path is None and resume is None:
         _fail("render needs a corpus PATH (or --resume JOB)")
@@ -410,7 +426,7 @@ def render(path: Optional[Path] = typer.Argument(None, help="corpus (.txt, .md, 
         try:
             manifest = render_local(path, out, voice, settings, params=SynthesisParams(max_tokens=max_tokens),
                                     title=title, author=author, resume=resume, on_plan=planned, on_start=started,
-                                    on_progress=show, **options)
+                                    on_progress=show, times=times, **options)
         except RenderInterrupted as e:
             progress.stop()
             err.print(f"interrupted: {e.done} of {e.total} segments of job {e.job_id} are stored; run the same "
@@ -419,10 +435,19 @@ def render(path: Optional[Path] = typer.Argument(None, help="corpus (.txt, .md, 
             sys.stdout.flush()
             os._exit(EXIT_INTERRUPTED)  # render threads may still be inside the engine: do not wait for them
     total = sum(c.duration_s for c in manifest.chapters) + sum(i.duration_s for i in manifest.items)
-    console.print(f"job {manifest.job_id}: {len(manifest.segments)} segments ({manifest.reused} reused, "
-                  f"{len(manifest.segments) - manifest.reused} rendered), {total:.1f} s of audio, "
-                  f"state {manifest.state} -> {escape(str(out / 'jobs' / manifest.job_id))}", highlight=False,
-                  soft_wrap=True)
+    phases = times.phases()
+    if json_out:
+        print(json.dumps({"job_id": manifest.job_id, "state": manifest.state, "segments": len(manifest.segments),
+                          "reused": manifest.reused, "failed": len(manifest.failed), "audio_s": round(total, 3),
+                          "path": str(out / "jobs" / manifest.job_id), "started_at": round(started_unix, 3),
+                          "times": phases}), flush=True)
+    else:
+        console.print(f"job {manifest.job_id}: {len(manifest.segments)} segments ({manifest.reused} reused, "
+                      f"{len(manifest.segments) - manifest.reused} rendered), {total:.1f} s of audio, "
+                      f"state {manifest.state} -> {escape(str(out / 'jobs' / manifest.job_id))}", highlight=False,
+                      soft_wrap=True)
+    err.print("time: " + ", ".join(f"{name[:-2].replace('_', ' ')} {v:.1f} s" for name, v in phases.items()
+                                   if v is not None), highlight=False, soft_wrap=True)
     for seg, error in list(manifest.failed.items())[:5]:
         _warn(f"segment {seg} failed: {error}")
     _exit_on_qc_failures(manifest)

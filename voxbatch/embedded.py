@@ -1,7 +1,12 @@
 """`voxbatch render`: the whole pipeline in one process, a local folder for storage, no Redis.
 
-The same pipeline and assembly as the distributed path; only the job store (in memory) and the
-hand-off to assembly (a direct call instead of a Celery task) differ.
+The same pipeline and assembly as the distributed path, fed as a worker feeds it (a window of the
+book in flight, in reading order); only the job store (in memory) and the hand-off to assembly
+differ: each chapter is assembled (and mastered) in a thread of its own as soon
+as its segments are all stored, while the engine renders later chapters, so the job ends soon after
+its last segment instead of assembling the whole book then. Start-up is overlapped the same way: the
+engine is built, proven and fingerprinted in a thread while the corpus is read and segmented.
+`RenderTimes` records where the wall time went (start-up, first segment, rendering, assembly tail).
 
 It fails fast: voice, model and storage are each proven (a one-line probe render in the job's voice,
 a probe write) before any segment is rendered, so a missing voice or an incompatible model is one
@@ -20,19 +25,25 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import threading
+import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from voxbatch import keys
 from voxbatch.jobstate import MemoryJobStore
 from voxbatch.models import JobSpec, JobStatus, Manifest, SynthesisParams
-from voxbatch.producer.assemble import assemble_job
+from voxbatch.producer.assemble import JobAssembly
 from voxbatch.producer.submit import check_voices, load_spec, plan_job, render_tasks, store_spec
 from voxbatch.settings import AudioFormat, Settings
 from voxbatch.storage import LocalStorage, Storage
 from voxbatch.worker.engine import Engine, SynthesisRequest, build_engine
-from voxbatch.worker.pipeline import Pipeline
+from voxbatch.worker.budget import SegmentBudget, inflight_segments, task_threads
+from voxbatch.worker.pipeline import Pipeline, TaskAbandoned
+
+log = logging.getLogger(__name__)
 
 STOP_GRACE_S = 0.5  # after Ctrl-C, how long uploads may finish before the process leaves (threads are daemons)
 PROBE_TEXT = "Ready."
@@ -66,23 +77,82 @@ def stored_segments(storage: Storage, spec: JobSpec) -> int:
     return sum(keys.segment(spec.id, s.chapter, s.index, spec.format) in stored for s in spec.segments)
 
 
-def check_ready(storage: Storage, engine: Engine, spec: JobSpec) -> None:
-    """Prove storage takes writes and the engine speaks the job's voice, before rendering anything."""
+def check_storage(storage: Storage, spec: JobSpec) -> None:
+    """Prove storage takes writes under the job, before rendering anything."""
     probe_key = keys.job_prefix(spec.id) + ".write-probe"
     try:
         storage.put(probe_key, b"ok")
         storage.delete(probe_key)
     except OSError as e:
         raise RenderError(f"cannot write to {storage.describe(keys.job_prefix(spec.id))}: {e.strerror or e}") from None
-    max_tokens = min(spec.params.max_tokens or PROBE_MAX_TOKENS, PROBE_MAX_TOKENS)
-    request = SynthesisRequest("probe", PROBE_TEXT, spec.voice, 0, spec.params.model_copy(update={"max_tokens": max_tokens}))
+
+
+def check_engine(engine: Engine, voice: str, params: SynthesisParams) -> None:
+    """Prove the engine speaks `voice`: one short render, which also warms it (kernels, the LLM's
+    first graphs, flow and HiFT), so the job's first batch does not pay for that."""
+    max_tokens = min(params.max_tokens or PROBE_MAX_TOKENS, PROBE_MAX_TOKENS)
+    request = SynthesisRequest("probe", PROBE_TEXT, voice, 0, params.model_copy(update={"max_tokens": max_tokens}))
     try:
         results = list(engine.synthesize([request]))
     except Exception as e:  # noqa: BLE001 - whatever stops the probe would stop every segment
-        raise RenderError(f"the {engine.name} engine cannot render voice {spec.voice!r}: {type(e).__name__}: {e}") from None
+        raise RenderError(f"the {engine.name} engine cannot render voice {voice!r}: {type(e).__name__}: {e}") from None
     if not results or results[0].error:
         error = results[0].error if results else "no audio"
-        raise RenderError(f"the {engine.name} engine cannot render voice {spec.voice!r}: {error}")
+        raise RenderError(f"the {engine.name} engine cannot render voice {voice!r}: {error}")
+
+
+class _EngineStart:
+    """The engine built, proven on the job's voice and fingerprinted in a thread of its own, while the
+    main thread reads and segments the corpus: start-up is weights, kernels and hashing the model
+    files, none of which needs the corpus. `result()` waits for it and raises what it raised."""
+
+    def __init__(self, settings: Settings, voice: str, params: SynthesisParams):
+        self._engine: Engine | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._start, args=(settings, voice, params), name="engine-start",
+                                        daemon=True)  # a corpus refused meanwhile ends the process without it
+        self._thread.start()
+
+    def _start(self, settings: Settings, voice: str, params: SynthesisParams) -> None:
+        try:
+            engine = build_engine(settings)
+            # The model digest (sha256 of ~2.5 GB, for the reuse cache's keys) while the probe renders.
+            digest = threading.Thread(target=engine.fingerprint, name="model-digest", daemon=True)
+            digest.start()
+            check_engine(engine, voice, params)
+            digest.join()
+            self._engine = engine
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread by result()
+            self._error = e
+
+    def result(self) -> Engine:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        assert self._engine is not None
+        return self._engine
+
+
+@dataclass
+class RenderTimes:
+    """Where a render's wall time went, as `time.monotonic()` instants; `phases()` in seconds."""
+
+    start: float = field(default_factory=time.monotonic)  # the command started (or render_local was called)
+    ready: float | None = None  # engine built and proven, job stored: rendering starts
+    first_stored: float | None = None  # the first segment stored (or found stored by a resumed run)
+    last_stored: float | None = None  # the job's last segment stored or failed
+    done: float | None = None  # the last chapter assembled, the book and the manifest written
+
+    def phases(self) -> dict[str, float | None]:
+        """start-up (to `ready`), the first segment and rendering (from `ready`), the assembly tail
+        (after the last segment) and the wall time; None for a phase not reached."""
+
+        def span(a: float | None, b: float | None) -> float | None:
+            return None if a is None or b is None else round(b - a, 3)
+
+        return {"startup_s": span(self.start, self.ready), "first_segment_s": span(self.ready, self.first_stored),
+                "rendering_s": span(self.ready, self.last_stored), "assembly_tail_s": span(self.last_stored, self.done),
+                "wall_s": span(self.start, self.done)}
 
 
 def render_local(path: str | Path | None, out_dir: str | Path, voice: str | None, settings: Settings, *,
@@ -92,56 +162,202 @@ def render_local(path: str | Path | None, out_dir: str | Path, voice: str | None
                  author: str | None = None, resume: str | None = None,
                  on_plan: Callable[[str, int, int], None] | None = None,
                  on_start: Callable[[JobSpec, int], None] | None = None,
-                 on_progress: Callable[[JobStatus], None] | None = None) -> Manifest:
+                 on_progress: Callable[[JobStatus], None] | None = None,
+                 times: RenderTimes | None = None) -> Manifest:
     """Render a corpus into `out_dir` (layout as in storage: jobs/<id>/...); returns the manifest.
 
     Segments are measured with the tokenizer of `settings.model_dir` unless the engine (`engine`, else
     `settings.engine`) is the tone engine or no model dir is set (`producer.submit.segment_length_fn`).
     `resume` continues the stored job of that id instead of planning `path`. `on_plan(stage, done, total)`
-    follows the planning (`producer.submit.Progress`); `on_start(spec, already)` is told the job and how many segments were stored before this run; `on_progress` gets the job's
-    status while it renders. Raises RenderError before rendering anything when voice, model or
-    storage is unusable, and RenderInterrupted on Ctrl-C.
+    follows the planning (`producer.submit.Progress`); `on_start(spec, already)` is told the job and how
+    many segments were stored before this run; `on_progress` gets the job's status while it renders;
+    `times` is filled in as the render goes (`RenderTimes`). Without `engine`, the engine of `settings`
+    is built and proven in a thread while the corpus is planned. Raises RenderError before rendering
+    anything when voice, model or storage is unusable, and RenderInterrupted on Ctrl-C.
     """
+    times = times or RenderTimes()
     storage = LocalStorage(out_dir)
     engine_name = engine.name if engine is not None else settings.engine
     if resume is not None:
         spec = load_spec(storage, keys.check_name("job id", resume))
-    else:
-        if path is None or voice is None:
-            raise ValueError("render needs a corpus path and a voice, or a job id to resume")
+        voice, params = spec.voice, spec.params
+    elif path is None or voice is None:
+        raise ValueError("render needs a corpus path and a voice, or a job id to resume")
+    params = params or SynthesisParams()
+    starting = _EngineStart(settings, voice, params) if engine is None else None
+    if resume is None:
         spec = plan_job(path, voice, settings, name=name, fmt=fmt, params=params, engine=engine_name, cast=cast,
                         lexicon=lexicon, reuse=reuse, title=title, author=author, progress=on_plan)
         job_id = stable_job_id(spec, engine_name, settings.model_dir)
         cover_key = keys.cover(job_id, spec.cover_key.rsplit(".", 1)[-1]) if spec.cover_key else None
         spec = spec.model_copy(update={"id": job_id, "cover_key": cover_key})  # the cover moves with the id
     check_voices(storage, spec)
-    engine = engine or build_engine(settings)
-    check_ready(storage, engine, spec)
+    check_storage(storage, spec)
+    if starting is not None:
+        engine = starting.result()
+    else:
+        check_engine(engine, spec.voice, spec.params)
     store_spec(storage, spec)
     if on_start is not None:
         on_start(spec, stored_segments(storage, spec))
-    return _run(spec, storage, engine, settings, on_progress)
+    times.ready = time.monotonic()
+    manifest = _run(spec, storage, engine, settings, on_progress, times)
+    log.info("job %s: %s", spec.id, ", ".join(f"{k} {v}" for k, v in times.phases().items()))
+    return manifest
+
+
+class _ChapterWatch:
+    """Which chapters have every segment finished (stored, found stored, or failed for good). The job
+    store tells it each outcome as it is recorded (`_WatchedJobs`); the assembler waits on it."""
+
+    def __init__(self, spec: JobSpec, times: RenderTimes):
+        self._left: dict[int, set[str]] = {i: set() for i in range(len(spec.chapters))}
+        for s in spec.segments:
+            self._left.setdefault(s.chapter, set()).add(s.id)
+        self._chapter_of = {s.id: s.chapter for s in spec.segments}
+        self._unfinished = len(spec.segments)
+        self._stopped = False
+        self._cv = threading.Condition()
+        self.times = times
+
+    def finished(self, seg_id: str) -> None:
+        now = time.monotonic()
+        with self._cv:
+            left = self._left.get(self._chapter_of.get(seg_id, -1))
+            if left is None or seg_id not in left:
+                return
+            left.discard(seg_id)
+            self._unfinished -= 1
+            if self.times.first_stored is None:
+                self.times.first_stored = now
+            if self._unfinished == 0:
+                self.times.last_stored = now
+            if not left:
+                self._cv.notify_all()
+
+    def wait(self, index: int) -> bool:
+        """Block until chapter `index` is finished (True) or the watch is stopped (False)."""
+        with self._cv:
+            self._cv.wait_for(lambda: not self._left[index] or self._stopped)
+            return not self._left[index]
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stopped = True
+            self._cv.notify_all()
+
+
+class _WatchedJobs(MemoryJobStore):
+    """The in-memory job store, telling `watch` of each segment whose outcome it records first."""
+
+    def __init__(self, watch: _ChapterWatch):
+        super().__init__()
+        self.watch = watch
+
+    def finish(self, job_id: str, seg_id: str, *, audio_s: float = 0.0, error: str | None = None) -> int:
+        recorded = super().finish(job_id, seg_id, audio_s=audio_s, error=error)
+        if recorded >= 0:
+            self.watch.finished(seg_id)
+        return recorded
+
+
+class _Assembler:
+    """Chapters assembled in reading order, each as soon as its segments are finished, in a thread
+    of its own while the engine renders later chapters; `join()` raises what assembling raised."""
+
+    def __init__(self, assembly: JobAssembly, watch: _ChapterWatch, jobs: MemoryJobStore, spec: JobSpec):
+        self.assembly, self.watch, self.jobs, self.spec = assembly, watch, jobs, spec
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="assemble", daemon=True)
+
+    def start(self) -> "_Assembler":
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        try:
+            for index in range(len(self.spec.chapters)):
+                if not self.watch.wait(index):
+                    return
+                self.assembly.add(index, self.jobs.failed(self.spec.id))
+                log.info("job %s: chapter %d assembled", self.spec.id, index)
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread by join()
+            self._error = e
+            self.watch.stop()
+
+    def join(self) -> None:
+        """Wait for the last chapter; raise what assembling raised."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+    def stopped(self, timeout_s: float) -> bool:
+        """Whether the thread is done within `timeout_s` (after `watch.stop()`: a chapter in progress finishes)."""
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+
+def _feed(pipeline: Pipeline, spec: JobSpec, settings: Settings, rows: int) -> list[threading.Thread]:
+    """Hand the job's tasks to the pipeline as a worker's Celery threads do (voxbatch/worker/budget.py):
+    in reading order, at most `inflight_segments` segments at once. The engine picks among what is in
+    its intake (longest first), so holding the whole book there would finish chapters in any order;
+    a window of the book finishes them nearly in order, and each can be assembled while later ones
+    render. Returns the started threads; each ends when the tasks run out (or the pipeline abandons
+    them on Ctrl-C)."""
+    tasks = render_tasks(spec, settings.batch_size)
+    lock = threading.Lock()
+    budget = SegmentBudget(inflight_segments(settings, rows))
+
+    def feed() -> None:
+        while True:
+            with lock:
+                task = next(tasks, None)
+            if task is None:
+                return
+            with budget.hold(len(task.segments)):
+                try:
+                    pipeline.submit(task).wait()
+                except TaskAbandoned:
+                    return
+
+    threads = [threading.Thread(target=feed, name=f"feed-{i}", daemon=True) for i in range(task_threads(settings, rows))]
+    for t in threads:
+        t.start()
+    return threads
 
 
 def _run(spec: JobSpec, storage: Storage, engine: Engine, settings: Settings,
-         on_progress: Callable[[JobStatus], None] | None) -> Manifest:
-    jobs = MemoryJobStore()
+         on_progress: Callable[[JobStatus], None] | None, times: RenderTimes) -> Manifest:
+    watch = _ChapterWatch(spec, times)
+    jobs = _WatchedJobs(watch)
     jobs.create(spec.id, spec.name, spec.voice, spec.format, len(spec.segments), spec.created_at)
     finished = threading.Event()
-    pipeline = Pipeline(engine, storage, jobs, settings, on_job_complete=lambda _job: finished.set()).start()
+    assembly = JobAssembly(storage, spec, engine.sample_rate, settings)  # lists what an earlier run left first
+    assembler = _Assembler(assembly, watch, jobs, spec).start()
     try:
-        handles = [pipeline.submit(task) for task in render_tasks(spec, settings.batch_size)]
-        for h in handles:
-            while not h.wait(0.2):
-                if on_progress is not None:
-                    on_progress(jobs.status(spec.id))
-    except KeyboardInterrupt:
-        pipeline.abandon()
-        pipeline.stop(timeout_s=STOP_GRACE_S)
-        raise RenderInterrupted(spec.id, stored_segments(storage, spec), len(spec.segments)) from None
-    pipeline.stop()
-    if on_progress is not None:
-        on_progress(jobs.status(spec.id))
-    if not finished.is_set():
-        raise RuntimeError(f"job {spec.id}: pipeline stopped before every segment finished")
-    return assemble_job(storage, spec, jobs.failed(spec.id), engine.sample_rate, settings, jobs.reused_ids(spec.id))
+        pipeline = Pipeline(engine, storage, jobs, settings, on_job_complete=lambda _job: finished.set()).start()
+        try:
+            for feeder in _feed(pipeline, spec, settings, engine.max_batch):
+                while feeder.is_alive():
+                    feeder.join(0.2)
+                    if on_progress is not None:
+                        on_progress(jobs.status(spec.id))
+        except KeyboardInterrupt:
+            watch.stop()
+            pipeline.abandon()
+            pipeline.stop(timeout_s=STOP_GRACE_S)
+            raise RenderInterrupted(spec.id, stored_segments(storage, spec), len(spec.segments)) from None
+        pipeline.stop()
+        if on_progress is not None:
+            on_progress(jobs.status(spec.id))
+        if not finished.is_set():
+            watch.stop()
+            raise RuntimeError(f"job {spec.id}: pipeline stopped before every segment finished")
+        assembler.join()
+        manifest = assembly.finish(jobs.failed(spec.id), jobs.reused_ids(spec.id))
+    finally:
+        watch.stop()
+        if assembler.stopped(STOP_GRACE_S):  # else still in a chapter (Ctrl-C): its temporary files stay
+            assembly.close()
+    times.done = time.monotonic()
+    return manifest

@@ -56,6 +56,11 @@ def segments_prefix(job_id: str) -> str:
     return f"jobs/{_job(job_id)}/segments/"
 
 
+def chapter_segments_prefix(job_id: str, chapter_index: int) -> str:
+    """The segments of one chapter (what `segment` puts there): assembly lists a chapter's alone."""
+    return f"jobs/{_job(job_id)}/segments/{chapter_index:04d}/"
+
+
 def chapter(job_id: str, chapter_index: int, fmt: str) -> str:
     return f"jobs/{_job(job_id)}/chapters/{chapter_index:04d}.{fmt}"
 

@@ -29,6 +29,7 @@ class Settings(BaseSettings):
     storage_url: str = "file://./voxbatch-data"
     # S3 endpoint for S3-compatible stores (SeaweedFS, MinIO, R2); None means AWS itself.
     s3_endpoint: str | None = None
+    # S3 credentials and region, read as AWS_* (the VOXBATCH_ names work too); kept out of logs.
     aws_access_key_id: SecretStr | None = Field(
         None, validation_alias=AliasChoices("AWS_ACCESS_KEY_ID", "VOXBATCH_AWS_ACCESS_KEY_ID")
     )
@@ -63,19 +64,28 @@ class Settings(BaseSettings):
     # vLLM's max_model_len: prompt + speech tokens one request may hold; the engine caps a segment's
     # max_tokens (20 x its text tokens) to fit, as it does for the torch backend's KV cache.
     vllm_max_model_len: int = Field(4096, ge=64)
-    # Most segments the engine synthesizes in one batch (the torch backend's KV-cache rows). A GPU
-    # fills at ~256 (H200: 31.8k speech tokens/s at 256 rows, 10.8k at 64); the worker only sees
-    # VOXBATCH_TASK_CONCURRENCY x VOXBATCH_BATCH_SIZE segments at once, so raise those with it.
-    engine_max_batch: int = Field(64, ge=1)
-    # Most rows in one flow + HiFT batch (length-bucketed). H200: 241x real time at 64, 177x at 16.
-    engine_flow_batch: int = Field(64, ge=1)
-    # LLM precision on a GPU ("auto": bf16). bf16 is batch-dependent: on an H200, RAS sampling gave 2
-    # of 4 segments other tokens in a batch than alone (fp32: 4 of 4 the same), so a segment re-rendered
-    # in another batch (retry) can come out different. "float32" makes re-renders identical everywhere.
+    # Most segments the engine decodes at once (the torch backend's KV-cache rows, vLLM's max_num_seqs).
+    # None: the engine picks (`llm_rows`, voxbatch/worker/cosyvoice2/engine.py): 256 with the LLM on
+    # a GPU, the fastest measured (bench/results/gpu_h200_worker.json), halved until the torch
+    # backend's KV cache fits in 40% of the GPU's free memory (256 rows of CosyVoice2-0.5B in bf16
+    # are 12 GiB: 128 rows on a 24 GB card); 16 on a CPU; the tone engine 64.
+    engine_max_batch: int | None = Field(None, ge=1)
+    # Most rows in one flow + HiFT batch (length-bucketed). Unset: half the engine's LLM rows, at most
+    # 128 (the fastest measured on an H200: 128 rows on 256 LLM rows, bench/results/h200_probe1.json).
+    engine_flow_batch: int | None = Field(None, ge=1)
+    # LLM precision on a GPU ("auto": bf16; a CPU always runs fp32). It sets what a segment re-rendered
+    # in another batch (a retry, a solo re-render) keeps. "float32": the same speech tokens, so the same
+    # words, timing and length, and a mel within the flow's fp16 rounding (fp32 logits still differ per
+    # batch shape by rounding, which moved no draw in 4 of 4 segments on an H200,
+    # bench/results/gpu_tests_h200.txt). Audio is never bit-identical: the flow (fp16) and HiFT pick
+    # kernels per batch shape and HiFT integrates F0 into phase, so samples move. "bfloat16": none of
+    # it (H200: RAS gave 2 of 4 segments other tokens in a batch than alone).
+    # tests/test_gpu_batch_invariance.py asserts this; `python -m bench.gpu_engine --stages
+    # invariance` measures both dtypes and what float32 costs.
     llm_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    # Run the flow estimator through torch.compile when the flow sits on a GPU: 1.12-1.16x on the flow
-    # and 165x vs 152x with the bench's engine on an H200, but no gain through the worker's engine
-    # (157x vs 158x: its GPU has idle gaps the flow does not fill), for ~2.5 min more warm-up.
+    # Run the flow estimator through torch.compile when the flow sits on a GPU. Off: compiling adds
+    # minutes of warm-up and no committed result shows it paying off through the worker's engine
+    # (measure: `python -m bench.gpu_engine --stages flow_hift engine --flow-compile --engine-runs compile=true`).
     flow_compile: bool = False
     # Benchmark only: every segment decodes exactly as many speech tokens as real speech of its text
     # would (forced_lengths.py), because random-weight models never stop. Changes nothing else.
@@ -83,17 +93,19 @@ class Settings(BaseSettings):
 
     # The double buffer: bounded queue between the engine and the upload threads.
     output_queue_size: int = Field(64, ge=1)
+    # Threads that encode and store finished segments (and look up stored/cached ones).
     upload_threads: int = Field(4, ge=1, le=256)
     # Render tasks a worker process runs at once (Celery thread pool); they feed one engine intake.
     # None: enough tasks of batch_size to hold worker_inflight_segments (voxbatch/worker/budget.py).
     task_concurrency: int | None = Field(None, ge=1)
-    # Segments a worker process holds in flight, whatever its tasks' size; None: 2 x engine_max_batch
-    # (the engine refills LLM rows from the rest as sequences finish).
+    # Segments a worker process holds in flight, whatever its tasks' size; None: 2 x the engine's rows
+    # (engine_max_batch as resolved; the engine refills LLM rows from the rest as sequences finish).
     worker_inflight_segments: int | None = Field(None, ge=1)
 
     # Failure handling: a segment is retried this many times in all before it is recorded failed.
     # Only errors of the segment itself (the engine failed on it) count; outages never do.
     max_attempts: int = Field(3, ge=1)
+    # Wait before a segment's next attempt: jittered, doubling from retry_backoff_ms up to the max.
     retry_backoff_ms: int = Field(500, ge=0)
     retry_backoff_max_ms: int = Field(30_000, ge=0)
     # How long a rendered segment keeps its audio and retries its upload through a storage outage

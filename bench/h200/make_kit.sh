@@ -17,4 +17,9 @@ printf '#!/bin/sh\nd=$(dirname "$0")\nLD_LIBRARY_PATH="$d/lib" exec "$d/redis-se
 chmod +x "$kit/bin/redis.sh"
 cp bench/h200/run.sh "$kit/run.sh"
 rm -rf "$kit/src" && mkdir -p "$kit/src" && git archive HEAD | tar -x -C "$kit/src"
+git rev-parse HEAD > "$kit/src/bench/COMMIT"  # the commit measured (the copy has no .git)
+# The fixture's small files the benchmark's official folder borrows (yaml, tokenizer, voice front-end ONNX).
+fix=../shared/fixtures/cosyvoice2-tiny
+mkdir -p "$kit/shared/fixtures/cosyvoice2-tiny"
+cp -r "$fix/cosyvoice2.yaml" "$fix"/*.onnx "$fix/CosyVoice-BlankEN" "$kit/shared/fixtures/cosyvoice2-tiny/"
 du -sh "$kit"

@@ -1,8 +1,9 @@
 """Assembly of a finished job: chapter audio, subtitles, the .m4b book and manifest.json.
 
-Called by the `voxbatch.assemble` Celery task once the last segment lands, and by the embedded
-renderer. Everything is written under jobs/<id>/ (see voxbatch/keys.py); the manifest is written
-last, so its presence means the rest is in place.
+Called by the `voxbatch.assemble` Celery task once the last segment lands (`assemble_job`), and by
+the embedded renderer chapter by chapter as each chapter's segments are all stored, while later
+chapters still render (`JobAssembly`). Everything is written under jobs/<id>/ (see voxbatch/keys.py);
+the manifest is written last, so its presence means the rest is in place.
 
 Timing is sample-exact. Within a chapter:
 
@@ -452,6 +453,202 @@ def _delete_except(storage: Storage, listing: list[str], prefix: str, keep: set[
             storage.delete(key)
 
 
+class JobAssembly:
+    """One job's assembly: chapter by chapter in reading order, then the book and the manifest.
+
+    `add(index, failed)` assembles chapter `index` (always the next one) once each of its segments is
+    finished, stored or failed for good (`failed`: the job's failures so far); `finish(failed, reused)`
+    writes the book and the manifest once every chapter is in. `assemble_job` adds them all at once
+    (the assembler task, after the last segment); `voxbatch render` adds each chapter while later ones
+    still render (voxbatch/embedded.py), so little is left to do once the last segment is stored.
+    Chapters go in order because each is appended to the book's PCM as it is delivered. Used as a
+    context manager: leaving it removes the temporary folder, whether or not `finish` ran.
+    """
+
+    def __init__(self, storage: Storage, spec: JobSpec, sample_rate: int | None, settings: Settings):
+        self.storage, self.spec, self.settings = storage, spec, settings
+        self.items = spec.kind == "items"
+        self.preset = None if self.items else preset_for(spec.preset, spec.format)  # line items go as rendered
+        self.by_chapter = _segments_by_chapter(spec)
+        self.timeline = _Timeline(sample_rate)
+        self.ffmpeg = None if self.items else m4b.find_ffmpeg()
+        if self.ffmpeg is None and not self.items:
+            log.info("job %s: ffmpeg not on PATH, skipping the .m4b book", spec.id)
+        # Listed before this assembly writes anything: what is here and not produced again goes.
+        self.earlier = storage.list(keys.job_prefix(spec.id) + "chapters/") + storage.list(
+            keys.job_prefix(spec.id) + "subtitles/")
+        self.failed: dict[str, str] = {}  # found here: missing from storage, or unusable in its chapter
+        self.delivered: dict[int, list[_File]] = {}
+        self.book_start: dict[int, int] = {}  # chapter index -> first sample in the book (book rate)
+        self.book_length = 0
+        self._next = 0  # the chapter `add` takes next
+        self._copies: dict[int, Future] = {}  # one-segment items being copied, delivered by `finish`
+        self._tmp = tempfile.TemporaryDirectory(prefix=f"voxbatch-assemble-{spec.id}-")
+        tmp = Path(self._tmp.name)
+        self.d = _Delivery(spec=spec, preset=self.preset, fmt=self.preset.fmt if self.preset else spec.format,
+                           title=spec.title or spec.name, chapters_total=len(spec.chapters),
+                           cover=_load_cover(storage, spec), book=_Pcm(tmp / "book.f32") if self.ffmpeg else None,
+                           tmp=tmp)
+        self._pool = ThreadPoolExecutor(PREFETCH, thread_name_prefix="assemble-get")
+        self._copier = ThreadPoolExecutor(PREFETCH, thread_name_prefix="assemble-copy")
+
+    def __enter__(self) -> "JobAssembly":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._pool.shutdown(cancel_futures=True)
+        self._copier.shutdown(cancel_futures=True)
+        if self.d.book:
+            self.d.book.close()
+        self._tmp.cleanup()
+
+    @property
+    def chapters_added(self) -> int:
+        return self._next
+
+    def add(self, index: int, failed: dict[str, str]) -> None:
+        """Assemble chapter `index`, whose segments are all finished; `failed` maps the job's failed
+        segment ids to their errors (a chapter with one of them, or with one missing, is not assembled)."""
+        if index != self._next:
+            raise ValueError(f"job {self.spec.id}: chapter {index} added before chapter {self._next}")
+        self._next += 1
+        spec, storage, fmt = self.spec, self.storage, self.spec.format
+        title = spec.chapters[index]
+        self.book_start[index] = self.book_length
+        segments = self.by_chapter.get(index, [])
+        stored = set(storage.list(keys.chapter_segments_prefix(spec.id, index))) if segments else set()
+        for seg in segments:
+            key = keys.segment(spec.id, seg.chapter, seg.index, fmt)
+            if seg.id not in failed and key not in stored:
+                self.failed[seg.id] = f"missing from storage: {storage.describe(key)}"
+        if not segments or any(s.id in failed or s.id in self.failed for s in segments):
+            self._deliver(index, [])
+            return
+        if self.items and fmt not in TAGGED_FORMATS and len(segments) == 1:
+            self._copies[index] = self._copier.submit(_copy_item, storage, spec, segments[0],
+                                                      keys.item(spec.id, title, fmt), self.timeline)
+            return
+        book = self.d.book
+        mark = book.mark() if book else 0
+        try:
+            files = _assemble_and_deliver(storage, self.d, index, segments, self.timeline, self.settings, self._pool,
+                                          title, 0 if self.items else self.settings.chapter_lead_ms)
+        except _ChapterFailed as e:
+            self._chapter_failed(index, e)
+            files = []
+            if book:
+                book.rewind(mark)
+        self._deliver(index, files)
+
+    def _chapter_failed(self, index: int, e: _ChapterFailed) -> None:
+        self.failed[e.segment_id] = e.error
+        log.warning("job %s: chapter %d not assembled: %s", self.spec.id, index, e)
+
+    def _deliver(self, index: int, files: list[_File]) -> None:
+        """Record a chapter's files, write its subtitles, remove what an earlier assembly left for it."""
+        spec, storage = self.spec, self.storage
+        if files:
+            self.delivered[index] = files
+        if self.items:
+            if not files:  # not assembled: remove what an earlier assembly may have left
+                storage.delete(keys.item(spec.id, spec.chapters[index], spec.format))
+            return
+        produced: set[str] = set()
+        for f in files:
+            produced.add(f.key)
+            cues = _cues(f)
+            for ext, text in (("srt", to_srt(cues)), ("vtt", to_vtt(cues))):
+                sub_key = keys.subtitles(spec.id, index, ext, f.part)
+                storage.put(sub_key, text.encode(), content_type(ext))
+                produced.add(sub_key)
+            self.book_length += f.length
+        _delete_except(storage, self.earlier, keys.chapter_files_prefix(spec.id, index), produced)
+        _delete_except(storage, self.earlier, keys.subtitles_prefix(spec.id, index), produced)
+
+    def finish(self, failed: dict[str, str], reused: set[str] | frozenset[str] = frozenset()) -> Manifest:
+        """The book and manifest.json, once every chapter is added; `failed` is the job's final failures."""
+        spec, storage, d, preset, items = self.spec, self.storage, self.d, self.preset, self.items
+        if self._next != len(spec.chapters):
+            raise ValueError(f"job {spec.id}: {len(spec.chapters) - self._next} chapters not added")
+        for index, copy in sorted(self._copies.items()):
+            try:
+                files = [copy.result()]
+            except _ChapterFailed as e:
+                self._chapter_failed(index, e)
+                files = []
+            self._deliver(index, files)
+        self._copies.clear()
+        failed = {**failed, **self.failed}
+        stray = [s for s in spec.segments if s.chapter >= len(spec.chapters) and s.id not in failed]
+        if stray:  # segments of no chapter are never assembled; stored or not, say which are missing
+            stored = set(storage.list(keys.segments_prefix(spec.id)))
+            for seg in stray:
+                key = keys.segment(spec.id, seg.chapter, seg.index, spec.format)
+                if key not in stored:
+                    failed[seg.id] = f"missing from storage: {storage.describe(key)}"
+        if d.book:
+            d.book.close()
+        delivered, book_start = self.delivered, self.book_start
+        sr = self.timeline.sample_rate or 0
+        book_rate = preset.sample_rate if preset else sr
+        book_channels = 1 if preset else (self.timeline.channels or 1)
+        book_key = None
+        if d.book and delivered:
+            lengths = {i: sum(f.length for f in files) for i, files in delivered.items()}
+            book_key = _write_book(storage, d, self.ffmpeg, book_rate, book_channels, lengths, book_start)
+        elif not items:
+            storage.delete(keys.book(spec.id))
+
+        manifest = Manifest(
+            job_id=spec.id,
+            name=spec.name,
+            state="completed_with_errors" if failed else "completed",
+            sample_rate=sr,
+            format=spec.format,
+            chapters=[] if items else [
+                ManifestChapter(
+                    index=index,
+                    title=title,
+                    key=delivered[index][0].key if index in delivered else None,
+                    start_s=book_start[index] / book_rate if book_rate else 0.0,
+                    duration_s=sum(f.length for f in delivered.get(index, [])) / book_rate if book_rate else 0.0,
+                    files=[f.key for f in delivered.get(index, [])],
+                )
+                for index, title in enumerate(spec.chapters)
+            ],
+            segments=[
+                ManifestSegment(
+                    id=c.placed.segment.id,
+                    chapter=c.placed.segment.chapter,
+                    text=c.placed.segment.text,
+                    key=c.placed.key,
+                    start_s=c.start_s,
+                    duration_s=c.duration_s,
+                    voice=spec.voice_of(c.placed.segment),
+                    reused=c.placed.segment.id in reused,
+                    chapter_file=None if items else f.key,
+                )
+                for index in sorted(delivered)
+                for f in delivered[index]
+                for c in f.cues
+            ],
+            failed=dict(sorted(failed.items())),
+            book_key=book_key,
+            items=_manifest_items(spec, self.by_chapter, delivered, failed, sr) if items else [],
+            reused=len(reused & {s.id for s in spec.segments}),
+            preset=spec.preset if preset else "none",
+            chapter_format=d.fmt,
+            title=d.title,
+            author=spec.author,
+            qc=[f.qc for index in sorted(delivered) for f in delivered[index] if f.qc is not None],
+        )
+        storage.put(keys.manifest(spec.id), manifest.model_dump_json(indent=2).encode(), content_type("json"))
+        return manifest
+
+
 def assemble_job(
     storage: Storage,
     spec: JobSpec,
@@ -471,136 +668,10 @@ def assemble_job(
     with None the first segment decoded sets it (0 in the manifest when no segment could be read).
     A preset (spec.preset) masters each chapter file and adds a QC row per file to the manifest.
     """
-    failed = dict(failed)
-    fmt = spec.format
-    items = spec.kind == "items"
-    preset = None if items else preset_for(spec.preset, fmt)  # line items are delivered as rendered
-    chapter_fmt = preset.fmt if preset else fmt
-    by_chapter = _segments_by_chapter(spec)
-    stored = set(storage.list(keys.job_prefix(spec.id) + "segments/"))
-    for seg in spec.segments:
-        key = keys.segment(spec.id, seg.chapter, seg.index, fmt)
-        if seg.id not in failed and key not in stored:
-            failed[seg.id] = f"missing from storage: {storage.describe(key)}"
-
-    timeline = _Timeline(sample_rate)
-    ffmpeg = None if items else m4b.find_ffmpeg()
-    if ffmpeg is None and not items:
-        log.info("job %s: ffmpeg not on PATH, skipping the .m4b book", spec.id)
-    earlier = storage.list(keys.job_prefix(spec.id) + "chapters/") + storage.list(
-        keys.job_prefix(spec.id) + "subtitles/")
-    delivered: dict[int, list[_File]] = {}
-    book_start: dict[int, int] = {}  # chapter index -> first sample in the book (book rate)
-    book_length = 0
-
-    with tempfile.TemporaryDirectory(prefix=f"voxbatch-assemble-{spec.id}-") as tmp_dir:
-        tmp = Path(tmp_dir)
-        d = _Delivery(spec=spec, preset=preset, fmt=chapter_fmt, title=spec.title or spec.name,
-                      chapters_total=len(spec.chapters), cover=_load_cover(storage, spec),
-                      book=_Pcm(tmp / "book.f32") if ffmpeg else None, tmp=tmp)
-        pool = ThreadPoolExecutor(PREFETCH, thread_name_prefix="assemble-get")
-        copier = ThreadPoolExecutor(PREFETCH, thread_name_prefix="assemble-copy")
-        copies = {index: copier.submit(_copy_item, storage, spec, segs[0], keys.item(spec.id, spec.chapters[index], fmt),
-                                       timeline)
-                  for index, segs in by_chapter.items()
-                  if items and fmt not in TAGGED_FORMATS and len(segs) == 1 and segs[0].id not in failed}
-        try:
-            for index, title in enumerate(spec.chapters):
-                book_start[index] = book_length
-                segments = by_chapter.get(index, [])
-                files: list[_File] = []
-                if segments and not any(s.id in failed for s in segments):
-                    mark = d.book.mark() if d.book else 0
-                    try:
-                        if index in copies:
-                            files = [copies[index].result()]
-                        else:
-                            files = _assemble_and_deliver(storage, d, index, segments, timeline, settings, pool, title,
-                                                          0 if items else settings.chapter_lead_ms)
-                    except _ChapterFailed as e:
-                        failed[e.segment_id] = e.error
-                        log.warning("job %s: chapter %d not assembled: %s", spec.id, index, e)
-                        if d.book:
-                            d.book.rewind(mark)
-                if files:
-                    delivered[index] = files
-                if items:
-                    if not files:  # not assembled: remove what an earlier assembly may have left
-                        storage.delete(keys.item(spec.id, title, fmt))
-                    continue
-                produced: set[str] = set()
-                for f in files:
-                    produced.add(f.key)
-                    cues = _cues(f)
-                    for ext, text in (("srt", to_srt(cues)), ("vtt", to_vtt(cues))):
-                        sub_key = keys.subtitles(spec.id, index, ext, f.part)
-                        storage.put(sub_key, text.encode(), content_type(ext))
-                        produced.add(sub_key)
-                    book_length += f.length
-                # Remove what an earlier assembly of this job left for this chapter and did not redo now.
-                _delete_except(storage, earlier, keys.chapter_files_prefix(spec.id, index), produced)
-                _delete_except(storage, earlier, keys.subtitles_prefix(spec.id, index), produced)
-        finally:
-            pool.shutdown(cancel_futures=True)
-            copier.shutdown(cancel_futures=True)
-            if d.book:
-                d.book.close()
-
-        sr = timeline.sample_rate or 0
-        book_rate = preset.sample_rate if preset else sr
-        book_channels = 1 if preset else (timeline.channels or 1)
-        book_key = None
-        if d.book and delivered:
-            lengths = {i: sum(f.length for f in files) for i, files in delivered.items()}
-            book_key = _write_book(storage, d, ffmpeg, book_rate, book_channels, lengths, book_start)
-        elif not items:
-            storage.delete(keys.book(spec.id))
-
-    manifest = Manifest(
-        job_id=spec.id,
-        name=spec.name,
-        state="completed_with_errors" if failed else "completed",
-        sample_rate=sr,
-        format=fmt,
-        chapters=[] if items else [
-            ManifestChapter(
-                index=index,
-                title=title,
-                key=delivered[index][0].key if index in delivered else None,
-                start_s=book_start[index] / book_rate if book_rate else 0.0,
-                duration_s=sum(f.length for f in delivered.get(index, [])) / book_rate if book_rate else 0.0,
-                files=[f.key for f in delivered.get(index, [])],
-            )
-            for index, title in enumerate(spec.chapters)
-        ],
-        segments=[
-            ManifestSegment(
-                id=c.placed.segment.id,
-                chapter=c.placed.segment.chapter,
-                text=c.placed.segment.text,
-                key=c.placed.key,
-                start_s=c.start_s,
-                duration_s=c.duration_s,
-                voice=spec.voice_of(c.placed.segment),
-                reused=c.placed.segment.id in reused,
-                chapter_file=None if items else f.key,
-            )
-            for index in sorted(delivered)
-            for f in delivered[index]
-            for c in f.cues
-        ],
-        failed=dict(sorted(failed.items())),
-        book_key=book_key,
-        items=_manifest_items(spec, by_chapter, delivered, failed, sr) if items else [],
-        reused=len(reused & {s.id for s in spec.segments}),
-        preset=spec.preset if preset else "none",
-        chapter_format=chapter_fmt,
-        title=d.title,
-        author=spec.author,
-        qc=[f.qc for index in sorted(delivered) for f in delivered[index] if f.qc is not None],
-    )
-    storage.put(keys.manifest(spec.id), manifest.model_dump_json(indent=2).encode(), content_type("json"))
-    return manifest
+    with JobAssembly(storage, spec, sample_rate, settings) as assembly:
+        for index in range(len(spec.chapters)):
+            assembly.add(index, failed)
+        return assembly.finish(failed, reused)
 
 
 def _manifest_items(spec: JobSpec, by_chapter: dict[int, list[Segment]], delivered: dict[int, list[_File]],

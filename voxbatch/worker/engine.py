@@ -134,7 +134,7 @@ def build_engine(settings: Settings) -> Engine:
     if settings.engine == "tone":
         from voxbatch.worker.tone import ToneEngine
 
-        return ToneEngine(max_batch=settings.engine_max_batch, rtf=settings.tone_rtf)
+        return ToneEngine(max_batch=settings.engine_max_batch, rtf=settings.tone_rtf)  # None: its own ROWS
     if settings.engine == "cosyvoice2":
         from voxbatch.worker.cosyvoice2.engine import CosyVoice2Engine
 

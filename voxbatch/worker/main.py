@@ -73,7 +73,7 @@ def _heartbeat(jobs: RedisJobStore, pipeline, name: str, queues: str, every_s: f
 
 def serve(gpu: str | None, concurrency: int | None, queues: str | None, hostname: str | None) -> None:
     from voxbatch.worker import tasks
-    from voxbatch.worker.budget import task_threads
+    from voxbatch.worker.budget import inflight_segments, task_threads
     from voxbatch.worker.engine import build_engine
     from voxbatch.worker.pipeline import Pipeline
 
@@ -98,9 +98,12 @@ def serve(gpu: str | None, concurrency: int | None, queues: str | None, hostname
     _bound_shutdown(pipeline, shutdown_window_s(settings))
     name = hostname or f"voxbatch-{'gpu' + gpu if gpu is not None else 'cpu'}@{socket.gethostname()}"
     _heartbeat(jobs, pipeline, f"{name}/{os.getpid()}", queues or settings.render_queue, settings.worker_heartbeat_s)
+    threads = concurrency or task_threads(settings, engine.max_batch)
+    log.info("engine %s: %d rows; %d segments in flight in %d task threads", engine.name, engine.max_batch,
+             inflight_segments(settings, engine.max_batch), threads)
     try:
         app.worker_main([
-            "worker", "--pool", "threads", "--concurrency", str(concurrency or task_threads(settings)),
+            "worker", "--pool", "threads", "--concurrency", str(threads),
             "--queues", queues or settings.render_queue, "--hostname", name,
             "--without-gossip", "--without-mingle", "--loglevel", "INFO",
         ])

@@ -32,7 +32,7 @@ def install(pipeline: Pipeline) -> None:
     global _pipeline, _specs, _budget
     _pipeline = pipeline
     _specs = messages.SpecCache(pipeline.storage)
-    _budget = SegmentBudget(inflight_segments(pipeline.settings))
+    _budget = SegmentBudget(inflight_segments(pipeline.settings, pipeline.engine.max_batch))
 
 
 def _fail_job(job_id: str, reason: str) -> None:

@@ -57,8 +57,10 @@ class ToneEngine(Engine):
     name = "tone"
     sample_rate = SAMPLE_RATE
 
-    def __init__(self, max_batch: int = 64, rtf: float = 0.0):
-        self.max_batch = max_batch
+    ROWS = 64  # segments per batch when the settings leave it to the engine (engine_max_batch unset)
+
+    def __init__(self, max_batch: int | None = None, rtf: float = 0.0):
+        self.max_batch = max_batch or self.ROWS
         self.rtf = rtf
 
     def warmup(self) -> None:

@@ -8,16 +8,19 @@ top-level values. Each model file then reads its own dimensions out of this dict
 
 from __future__ import annotations
 
+import contextlib
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 import yaml
+from torch.overrides import TorchFunctionMode
 
 from voxbatch.model_files import MODEL_FILES, ModelDirError
 
-__all__ = ["MODEL_FILES", "ModelDirError", "check_keys", "load_state_dict", "read_config", "section"]
+__all__ = ["MODEL_FILES", "ModelDirError", "check_keys", "empty_init", "load_state_dict", "read_config", "section"]
 
 
 class _Tagged(dict):
@@ -94,13 +97,38 @@ def section(config: dict[str, Any], *path: str) -> dict[str, Any]:
     return node
 
 
-def load_state_dict(model_dir: str | Path, name: str) -> dict[str, torch.Tensor]:
-    """Load `llm.pt` / `flow.pt` / `hift.pt` memory-mapped on CPU, with an error naming the file."""
+class _SkipRandomInit(TorchFunctionMode):
+    """`torch.nn.init` and the random fills do nothing to meta tensors (they hold no values anyway)."""
+
+    FILLS = frozenset({torch.Tensor.normal_, torch.Tensor.uniform_})
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__module__", None) == "torch.nn.init" or func in self.FILLS:
+            tensor = args[0] if args else kwargs.get("tensor")
+            if isinstance(tensor, torch.Tensor) and tensor.is_meta:
+                return tensor
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def empty_init() -> Iterator[None]:
+    """Build modules on the meta device without running their random init: every weight then comes
+    from the checkpoint (`load_state_dict(..., assign=True)`). Init on meta is not free: nn.Embedding's
+    `normal_` runs through torch's Python reference ops, whose first call imports torch._dynamo
+    (3-7 s of start-up, measured on CPU) for values that are thrown away."""
+    with torch.device("meta"), _SkipRandomInit():
+        yield
+
+
+def load_state_dict(model_dir: str | Path, name: str, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """Load `llm.pt` / `flow.pt` / `hift.pt` memory-mapped, each tensor read once straight onto
+    `device` (a GPU: cast there afterwards, not on the host), with an error naming the file."""
     path = Path(model_dir) / name
     if not path.is_file():
         raise ModelDirError(f"{path}: missing ({MODEL_FILES.get(name, 'a checkpoint')})")
     try:
-        sd = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        sd = torch.load(path, map_location=device, mmap=True, weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unpickling failure means the file is not a state dict
         raise ModelDirError(f"{path}: not a loadable torch state dict ({type(e).__name__}: {e})") from e
     if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):

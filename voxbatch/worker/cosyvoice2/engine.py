@@ -6,8 +6,10 @@
 Sequences leave the LLM at different times; each finished one goes into a bucket of similar token
 length, and a bucket runs through flow + HiFT as one padded batch as soon as it is full (or when the
 LLM has nothing left), so the acoustic models work while the LLM still decodes the long rows and
-padding stays below 2x. Both acoustic models are batch-invariant (masks, per-row noise), so a segment
-sounds the same whichever batch it lands in; the LLM samples with a per-request seed.
+padding stays below 2x. Both acoustic models are batch-invariant up to rounding (masks, per-row noise),
+so a segment sounds the same whichever batch it lands in, though not bit for bit: GEMM and conv kernels
+are picked per batch shape. The LLM samples with a per-request seed; whether its tokens survive another
+batch depends on its dtype (Settings.llm_dtype).
 
 How each mode builds the LLM input (as the official CosyVoice2 frontend does):
   zero_shot     text = prompt_text ++ text, prompt speech = the voice's speech tokens
@@ -43,7 +45,7 @@ from voxbatch.worker.cosyvoice2.hub import resolve_model_dir
 from voxbatch.worker.cosyvoice2.llm_backend import LlmBackend, LlmRequest
 from voxbatch.tokenizer import CosyVoice2Tokenizer
 from voxbatch.worker.engine import Engine, SynthesisRequest, SynthesisResult
-from voxbatch.worker.cosyvoice2.streaming import StreamingScheduler
+from voxbatch.worker.cosyvoice2.streaming import StreamingScheduler, length_bucket
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +78,41 @@ class Placement:
 
         llm_gpu_dtype = torch.float32 if settings.llm_dtype == "float32" else torch.bfloat16
         return cls(llm, flow, hift, pick(llm, llm_gpu_dtype), pick(flow, torch.float16), torch.float32)
+
+
+# The rows `llm_rows` picks when Settings.engine_max_batch is unset.
+GPU_ROWS = 256  # the fastest measured on an H200 (bench/results/gpu_h200_worker.json: rows=256)
+CPU_ROWS = 16  # fp32 on a CPU: 256 rows of the 0.5B model would hold ~26 GB of KV cache, and decode slower
+KV_CACHE_SHARE = 0.4  # most of the LLM GPU's free memory the torch backend's auto-sized KV cache takes
+
+
+def llm_rows(placement: Placement, kv_bytes_per_row: int | None, free_bytes: int | None = None) -> int:
+    """The engine's rows (requests decoded at once) when the settings leave them to the engine.
+
+    GPU_ROWS with the LLM on a GPU, halved while the torch backend's KV cache (`kv_bytes_per_row` x
+    rows, allocated up front) would take more than KV_CACHE_SHARE of the GPU's free memory, so a
+    24 GB card gets 128 rows of the 0.5B model in bf16 and the rest stays for the decode graphs and
+    flow/HiFT; vLLM (`kv_bytes_per_row` None) sizes its own cache within its memory share. CPU_ROWS on
+    a CPU. `free_bytes` defaults to what the LLM's GPU has free now, before the engine loads."""
+    device = torch.device(placement.llm_device)
+    if device.type != "cuda":
+        return CPU_ROWS
+    rows = GPU_ROWS
+    if kv_bytes_per_row is not None:
+        free = torch.cuda.mem_get_info(device)[0] if free_bytes is None else free_bytes
+        while rows > CPU_ROWS and rows * kv_bytes_per_row > KV_CACHE_SHARE * free:
+            rows //= 2
+    return rows
+
+
+FLOW_ROWS_MAX = 128  # the fastest flow + HiFT batch measured on an H200 (128 over 64: bench/results/h200_probe1.json)
+
+
+def flow_rows(llm_rows: int) -> int:
+    """Rows of one flow + HiFT batch when the settings leave it to the engine: half the LLM's rows,
+    at most FLOW_ROWS_MAX. Half, so finished sequences fill a bucket while the other half decodes,
+    and so a GPU with fewer rows (less memory) also gets smaller flow activations."""
+    return max(1, min(FLOW_ROWS_MAX, llm_rows // 2))
 
 
 @dataclass(frozen=True, eq=False)
@@ -125,11 +162,6 @@ class _Item:
     voice: PreparedVoice
     llm: LlmRequest
     tokens: list[int] | None = None  # speech tokens once the LLM is done with it
-
-
-def _bucket(n_tokens: int) -> int:
-    """Length bucket of a finished sequence: rows within a factor of 2 share a flow batch."""
-    return max(n_tokens, 1).bit_length()
 
 
 def _pad(rows: list[torch.Tensor], lengths: list[int]) -> torch.Tensor:
@@ -221,8 +253,8 @@ class CosyVoice2Engine(Engine):
             load_voice=lambda name: load_voice(storage, name),
             placement=Placement.from_settings(settings),
             llm_backend=settings.llm_backend,
-            max_batch=settings.engine_max_batch,
-            flow_batch=settings.engine_flow_batch,
+            max_batch=settings.engine_max_batch,  # None: llm_rows picks
+            flow_batch=settings.engine_flow_batch,  # None: flow_rows picks
             settings=settings.model_copy(update={"model_dir": str(model_dir)}),
         )
 
@@ -233,31 +265,38 @@ class CosyVoice2Engine(Engine):
         load_voice: Callable[[str], VoiceProfile],
         placement: Placement | None = None,
         llm_backend: str = "torch",
-        max_batch: int = 64,
-        flow_batch: int = 16,
+        max_batch: int | None = None,  # LLM rows; None: `llm_rows` picks for the placement
+        flow_batch: int | None = None,  # rows of one flow + HiFT batch; None: `flow_rows` of the LLM's rows
         settings: Settings | None = None,  # the vllm backend reads its options from settings
     ) -> CosyVoice2Engine:
         from voxbatch.worker.cosyvoice2.llm import LlmDims
+        from voxbatch.worker.cosyvoice2.torch_backend import MAX_SEQ
 
         model_dir = resolve_model_dir(model_dir)
         p = placement or Placement.from_settings(Settings(model_dir=str(model_dir)))
         tokenizer = CosyVoice2Tokenizer.from_model_dir(model_dir)
         dims = LlmDims.from_model_dir(model_dir)
+        if llm_backend not in ("torch", "vllm"):
+            raise ValueError(f"unknown llm_backend {llm_backend!r} (torch or vllm)")
+        if max_batch is None:
+            max_batch = llm_rows(p, dims.kv_cache_bytes(1, MAX_SEQ, p.llm_dtype) if llm_backend == "torch" else None)
+        if flow_batch is None:
+            flow_batch = flow_rows(max_batch)
         if llm_backend == "torch":
             from voxbatch.worker.cosyvoice2.torch_backend import TorchLlmBackend
 
             llm: LlmBackend = TorchLlmBackend.from_model_dir(model_dir, device=p.llm_device, dtype=p.llm_dtype, max_batch=max_batch)
-        elif llm_backend == "vllm":
+        else:
             from voxbatch.worker.cosyvoice2.vllm_backend import VllmLlmBackend
 
-            llm = VllmLlmBackend.from_settings(settings or Settings(model_dir=str(model_dir), engine_max_batch=max_batch))
-        else:
-            raise ValueError(f"unknown llm_backend {llm_backend!r} (torch or vllm)")
+            base = settings or Settings(model_dir=str(model_dir))
+            llm = VllmLlmBackend.from_settings(base.model_copy(update={"engine_max_batch": max_batch}))
         flow = CausalFlow.from_model_dir(model_dir, device=p.flow_device, dtype=p.flow_dtype)
         if settings is not None and settings.flow_compile and torch.device(p.flow_device).type == "cuda":
             flow.decoder.compile_estimator()  # compiled by warmup(), before the first task
         hift = HiFTGenerator.from_model_dir(model_dir, device=p.hift_device, dtype=p.hift_dtype)
-        log.info("cosyvoice2 engine: %s; llm=%s on %s, flow on %s, hift on %s", model_dir, llm.name, p.llm_device, p.flow_device, p.hift_device)
+        log.info("cosyvoice2 engine: %s; llm=%s on %s (%d rows), flow on %s, hift on %s", model_dir, llm.name, p.llm_device,
+                 max_batch, p.flow_device, p.hift_device)
         engine = cls(tokenizer, llm, flow, hift, load_voice, dims.speech_token_size, max_batch=max_batch, flow_batch=flow_batch,
                      forced_lengths=bool(settings is not None and settings.engine_forced_lengths))
         engine.model_dir = Path(model_dir)
@@ -401,10 +440,10 @@ class CosyVoice2Engine(Engine):
                 yield SynthesisResult(item.request, None, "the LLM stopped before any speech token")
                 continue
             item.tokens = result.tokens
-            bucket = buckets.setdefault(_bucket(len(result.tokens)), [])
+            bucket = buckets.setdefault(length_bucket(len(result.tokens)), [])
             bucket.append(item)
             if len(bucket) >= self.flow_batch:
-                yield from self.vocode(buckets.pop(_bucket(len(result.tokens))))
+                yield from self.vocode(buckets.pop(length_bucket(len(result.tokens))))
         for key in sorted(buckets, reverse=True):
             yield from self.vocode(buckets[key])
 
@@ -417,6 +456,10 @@ class CosyVoice2Engine(Engine):
             yield SynthesisResult(item.request, wav)
 
     def _vocode(self, tokens: list[list[int]], voices: list[PreparedVoice], speeds: list[float], seeds: list[int]) -> list[np.ndarray]:
+        return self.waves(self.mels(tokens, voices), speeds, seeds)
+
+    def mels(self, tokens: list[list[int]], voices: list[PreparedVoice]) -> list[torch.Tensor]:
+        """One flow batch: B token sequences (each with its voice) -> B mels (80, T_mel_i), on the flow device."""
         flow_dev = self.flow.encoder_proj.weight.device
         tok_lens = [len(t) for t in tokens]
         tok = _pad([torch.tensor(t, dtype=torch.long) for t in tokens], tok_lens).to(flow_dev)  # (B, T_tok)
@@ -426,15 +469,20 @@ class CosyVoice2Engine(Engine):
         prompt_mel = _pad([v.prompt_mel for v in voices], pm_lens)  # (B, T_pm, 80)
         embedding = torch.stack([v.embedding for v in voices])  # (B, 192)
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=flow_dev)  # noqa: E731
-        mels = self.flow.inference(tok, as_tensor(tok_lens), prompt_tok, as_tensor(p_lens), prompt_mel,
-                                   as_tensor(pm_lens), embedding)  # B x (80, T_mel_i) fp32
+        with torch.inference_mode():
+            return self.flow.inference(tok, as_tensor(tok_lens), prompt_tok, as_tensor(p_lens), prompt_mel,
+                                       as_tensor(pm_lens), embedding)  # B x (80, T_mel_i) fp32
+
+    def waves(self, mels: list[torch.Tensor], speeds: list[float], seeds: list[int]) -> list[np.ndarray]:
+        """One HiFT batch: B mels -> B waveforms on the host (per-row speed, per-row noise seed)."""
         hift_dev = self.hift.conv_pre.weight.device
-        mels = [time_scale(m, s).to(hift_dev) for m, s in zip(mels, speeds)]
-        mel_lens = [m.shape[1] for m in mels]
-        mel = _pad([m.transpose(0, 1) for m in mels], mel_lens).transpose(1, 2)  # (B, 80, T_mel)
-        generators = [torch.Generator(device=hift_dev).manual_seed(s) for s in seeds]
-        with deterministic_cudnn():
-            wav, _ = self.hift.inference(mel, torch.tensor(mel_lens, device=hift_dev), generators)  # (B, T_wav)
-        wav = to_host(wav.float())
+        with torch.inference_mode():
+            mels = [time_scale(m, s).to(hift_dev) for m, s in zip(mels, speeds)]
+            mel_lens = [m.shape[1] for m in mels]
+            mel = _pad([m.transpose(0, 1) for m in mels], mel_lens).transpose(1, 2)  # (B, 80, T_mel)
+            generators = [torch.Generator(device=hift_dev).manual_seed(s) for s in seeds]
+            with deterministic_cudnn():
+                wav, _ = self.hift.inference(mel, torch.tensor(mel_lens, device=hift_dev), generators)  # (B, T_wav)
+            wav = to_host(wav.float())
         spf = self.hift.d.samples_per_frame
         return [np.ascontiguousarray(wav[i, : n * spf]) for i, n in enumerate(mel_lens)]

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from voxbatch.worker.cosyvoice2.checkpoint import ModelDirError, check_keys, load_state_dict, read_config, section
+from voxbatch.worker.cosyvoice2.checkpoint import ModelDirError, check_keys, empty_init, load_state_dict, read_config, section
 from voxbatch.worker.cosyvoice2.flow_encoder import EncoderDims, UpsampleConformerEncoder, length_mask
 from voxbatch.worker.cosyvoice2.flow_estimator import CausalConditionalDecoder, EstimatorDims
 
@@ -163,9 +163,9 @@ class CausalFlow(nn.Module):
     ) -> CausalFlow:
         """Build from `cosyvoice2.yaml` + `flow.pt` (strict keys; errors name the file and the keys)."""
         dims = FlowDims.from_config(read_config(model_dir))
-        with torch.device("meta"):
+        with empty_init():
             model = cls(dims)
-        state = load_state_dict(model_dir, "flow.pt")
+        state = load_state_dict(model_dir, "flow.pt", device)  # read onto the device, cast there
         check_keys(str(Path(model_dir) / "flow.pt"), set(state), set(model.state_dict()))
         model.load_state_dict(state, strict=True, assign=True)
         model = model.to(device=device, dtype=dtype).eval()

@@ -12,6 +12,10 @@ Every conv is causal (left padding only) and its input is zeroed outside the mas
 masks padding keys, so a padded row yields exactly what the unpadded row would. Streaming uses a
 static chunk mask (`static_chunk_size` frames) in every attention.
 
+Inside, activations are time-major (B, T, C) from input to output: the transformer blocks, the
+LayerNorms and the convs (as matmuls, `CausalConv1d`) all read contiguous rows, with no transposes
+between blocks; the (B, C, T) interface of the official decoder is kept at the boundary.
+
 Module and parameter names mirror the official ones (Matcha-TTS blocks) so `flow.pt` loads
 unchanged; parameter-free slots of the official `nn.Sequential`s are `nn.Identity` placeholders.
 """
@@ -27,7 +31,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from voxbatch.worker.cosyvoice2.checkpoint import ModelDirError
+from voxbatch.worker.cosyvoice2.derived import DerivedWeight, stacked
 from voxbatch.worker.cosyvoice2.flow_encoder import attention_mask
+
+
+CONV_TAIL = 2  # zero frames appended to every row: at least kernel_size - 1 of the k=3 causal convs
 
 
 @dataclass(frozen=True)
@@ -87,22 +95,33 @@ class TimestepEmbedding(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------
-# Causal conv blocks (all tensors (B, C, T))
+# Causal conv blocks, time-major: tensors (B, T, C), masks (B, T, 1)
 
 
 class CausalConv1d(nn.Conv1d):
+    """A causal conv (left context only) run as K matmuls over the rows flattened to (B*T, C_in).
+
+    y[t] = b + sum_k W_k x[t - (K-1) + k]. Shifting the flattened rows reaches into the previous
+    row's last K-1 frames, so the caller guarantees those are zero (every row ends in at least
+    K-1 masked frames and the input is masked): then each row sees zeros left of its start, as
+    the causal left padding gives. The matmuls read the activations in place; the channel-major
+    layout with cuDNN convs spent its time in transposes and LayerNorm copies around each conv
+    (1.15x slower flow on the H200, bench/results/h200_probe2.json)."""
+
     def __init__(self, c_in: int, c_out: int, kernel_size: int):
         super().__init__(c_in, c_out, kernel_size)
+        self._taps = DerivedWeight(lambda w: w.permute(2, 0, 1).contiguous())  # (K, C_out, C_in)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(F.pad(x, (self.kernel_size[0] - 1, 0)))
-
-
-class _ChannelLayerNorm(nn.LayerNorm):
-    """LayerNorm over channels of a (B, C, T) tensor."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x.transpose(1, 2)).transpose(1, 2)
+        """(B, T, C_in) -> (B, T, C_out)."""
+        B, T, C = x.shape
+        K = self.kernel_size[0]
+        taps = self._taps(self.weight)  # (K, C_out, C_in)
+        flat = F.pad(x.reshape(B * T, C), (0, 0, K - 1, 0))  # (K-1 + B*T, C)
+        y = F.linear(flat[K - 1 :], taps[K - 1], self.bias)  # (B*T, C_out)
+        for k in range(K - 1):
+            y.addmm_(flat[k : k + B * T], taps[k].t())
+        return y.view(B, T, -1)
 
 
 class CausalBlock1D(nn.Module):
@@ -111,11 +130,11 @@ class CausalBlock1D(nn.Module):
     def __init__(self, c_in: int, c_out: int):
         super().__init__()
         # official layout: [conv, transpose, layernorm, transpose, mish]
-        self.block = nn.ModuleList([CausalConv1d(c_in, c_out, 3), nn.Identity(), _ChannelLayerNorm(c_out)])
+        self.block = nn.ModuleList([CausalConv1d(c_in, c_out, 3), nn.Identity(), nn.LayerNorm(c_out)])
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        h = self.block[2](self.block[0](x * mask))
-        return F.mish(h) * mask
+        """x (B, T, C_in), mask (B, T, 1) -> (B, T, C_out)."""
+        return F.mish(self.block[2](self.block[0](x * mask))) * mask
 
 
 class CausalResnetBlock1D(nn.Module):
@@ -127,9 +146,10 @@ class CausalResnetBlock1D(nn.Module):
         self.res_conv = nn.Conv1d(c_in, c_out, 1)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor, t_emb: torch.Tensor) -> torch.Tensor:
-        h = self.block1(x, mask) + self.mlp(t_emb)[:, :, None]  # (B, C, T) + (B, C, 1)
+        """x (B, T, C_in), mask (B, T, 1), t_emb (B, 4c) -> (B, T, C_out)."""
+        h = self.block1(x, mask) + self.mlp(t_emb)[:, None, :]  # (B, T, C) + (B, 1, C)
         h = self.block2(h, mask)
-        return h + self.res_conv(x * mask)
+        return h + F.linear(x * mask, self.res_conv.weight[:, :, 0], self.res_conv.bias)  # 1x1 conv
 
 
 # ---------------------------------------------------------------------------------------------
@@ -145,13 +165,12 @@ class SelfAttention(nn.Module):
         self.to_k = nn.Linear(d, inner, bias=False)
         self.to_v = nn.Linear(d, inner, bias=False)
         self.to_out = nn.ModuleList([nn.Linear(inner, d)])
+        self._qkv = stacked()  # to_q, to_k, to_v as one (3 inner, d) matrix: one matmul instead of three
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
-        q, k, v = (
-            proj(x).view(B, T, self.heads, self.head_dim).transpose(1, 2)  # (B, H, T, d_h)
-            for proj in (self.to_q, self.to_k, self.to_v)
-        )
+        qkv = F.linear(x, self._qkv(self.to_q.weight, self.to_k.weight, self.to_v.weight)).view(B, T, 3, self.heads, self.head_dim)
+        q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))  # (B, H, T, d_h) each
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])  # mask (B, 1, T|1, T)
         return self.to_out[0](out.transpose(1, 2).reshape(B, T, self.heads * self.head_dim))
 
@@ -233,30 +252,32 @@ class CausalConditionalDecoder(nn.Module):
         dtype = self.final_proj.weight.dtype
         t_emb = self.time_mlp(timestep_sinusoids(t, self.dims.in_channels).to(dtype))  # (B, 4c)
         T = x.size(2)
-        mask = mask.to(dtype)
-        h = torch.cat([x, mu, spks[:, :, None].expand(-1, -1, T), cond], dim=1).to(dtype)  # (B, 320, T)
-
         lens = mask[:, 0].sum(dim=1).long()  # (B,)
+        # Time-major from here: (B, T', C) with T' = T + 2 frames of zeros at the end of every row, so
+        # the causal convs can run over the flattened rows (CausalConv1d).
+        h = torch.cat([x, mu, spks[:, :, None].expand(-1, -1, T), cond], dim=1).to(dtype)  # (B, 320, T)
+        h = F.pad(h.transpose(1, 2), (0, 0, 0, CONV_TAIL))  # (B, T', 320)
+        m = F.pad(mask.to(dtype).transpose(1, 2), (0, 0, 0, CONV_TAIL))  # (B, T', 1)
         chunk = self.dims.static_chunk_size if streaming else 0
-        attn_mask = attention_mask(lens, T, chunk, self.dims.num_decoding_left_chunks)  # (B, T|1, T)
+        attn_mask = attention_mask(lens, T + CONV_TAIL, chunk, self.dims.num_decoding_left_chunks)  # (B, T'|1, T')
 
         def transformers(h: torch.Tensor, layers: nn.ModuleList) -> torch.Tensor:
-            h = h.transpose(1, 2)  # (B, T, C)
             for layer in layers:
                 h = layer(h, attn_mask)
-            return h.transpose(1, 2)  # (B, C, T)
+            return h
 
         skips = []
         for resnet, layers, down in self.down_blocks:
-            h = transformers(resnet(h, mask, t_emb), layers)
+            h = transformers(resnet(h, m, t_emb), layers)
             skips.append(h)
-            h = down(h * mask)
+            h = down(h * m)
         for resnet, layers in self.mid_blocks:
-            h = transformers(resnet(h, mask, t_emb), layers)
+            h = transformers(resnet(h, m, t_emb), layers)
         for resnet, layers, up in self.up_blocks:
             skip = skips.pop()
-            h = torch.cat([h[:, :, : skip.size(2)], skip], dim=1)  # (B, 2c, T)
-            h = transformers(resnet(h, mask, t_emb), layers)
-            h = up(h * mask)
-        h = self.final_block(h, mask)
-        return self.final_proj(h * mask) * mask
+            h = torch.cat([h[:, : skip.size(1)], skip], dim=2)  # (B, T', 2c)
+            h = transformers(resnet(h, m, t_emb), layers)
+            h = up(h * m)
+        h = self.final_block(h, m)
+        out = F.linear(h * m, self.final_proj.weight[:, :, 0], self.final_proj.bias) * m  # (B, T', 80)
+        return out[:, :T].transpose(1, 2)  # (B, 80, T)

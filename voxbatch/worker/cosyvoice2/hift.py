@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from voxbatch.worker.cosyvoice2.checkpoint import ModelDirError, check_keys, load_state_dict, read_config, section
+from voxbatch.worker.cosyvoice2.checkpoint import ModelDirError, check_keys, empty_init, load_state_dict, read_config, section
 
 
 @dataclass(frozen=True)
@@ -238,13 +238,25 @@ class SourceModule(nn.Module):
 
 
 class Snake(nn.Module):
-    """x + sin^2(alpha x) / alpha, per channel (alpha stored linearly, not as a log)."""
+    """x + sin^2(alpha x) / alpha, per channel (alpha stored linearly, not as a log).
+
+    On CUDA the five elementwise passes (mul, sin, pow, mul, add) are one Triton kernel
+    (`snake_kernel.fused_snake`): HiFT's 72 Snakes per call were a third of its GPU time, all of it
+    memory traffic. `fused` False keeps the eager form (CPU, and the benchmark's A/B)."""
+
+    fused = True
 
     def __init__(self, channels: int):
         super().__init__()
         self.alpha = nn.Parameter(torch.ones(channels))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused and x.is_cuda:
+            from voxbatch.worker.cosyvoice2.snake_kernel import fused_snake
+
+            out = fused_snake(x, self.alpha)
+            if out is not None:
+                return out
         alpha = self.alpha[None, :, None]
         return x + (1.0 / (alpha + 1e-9)) * torch.sin(x * alpha).pow(2)
 
@@ -516,7 +528,7 @@ def load_hift(
     dims = HiftDims.from_config(read_config(model_dir))
     name = str(Path(model_dir) / "hift.pt")
     sd = convert_state_dict(state_dict if state_dict is not None else load_state_dict(model_dir, "hift.pt"))
-    with torch.device("meta"):
+    with empty_init():  # weights read on the host: folding the weight norm there keeps the numbers as they were
         model = HiFTGenerator(dims)
     check_keys(name, set(sd), set(model.state_dict()))
     try:

@@ -27,7 +27,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from voxbatch.model_files import QWEN_DIR
-from voxbatch.worker.cosyvoice2.checkpoint import ModelDirError, check_keys, load_state_dict, read_config, section
+from voxbatch.worker.cosyvoice2.checkpoint import ModelDirError, check_keys, empty_init, load_state_dict, read_config, section
+from voxbatch.worker.cosyvoice2.derived import stacked
 
 SOS, TASK_ID = 0, 1  # rows of `llm_embedding`
 
@@ -60,6 +61,10 @@ class LlmDims:
     def stop_ids(self) -> tuple[int, ...]:
         return tuple(self.speech_token_size + i for i in range(3))
 
+    def kv_cache_bytes(self, rows: int, seq: int, dtype: torch.dtype) -> int:
+        """Bytes of K and V as `CosyVoice2LM.setup_cache(rows, seq)` allocates them in `dtype`."""
+        return 2 * self.n_layers * rows * self.n_kv_heads * seq * self.head_dim * dtype.itemsize
+
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> LlmDims:
         path = Path(model_dir) / QWEN_DIR / "config.json"
@@ -86,6 +91,12 @@ class LlmDims:
         return dims
 
 
+# Stacked projections (q/k/v, gate/up) and the one-kernel RMSNorm. The decode step at 256 rows is
+# about a thousand small kernels (H200 profile, bench/results), so each kernel fewer is time saved;
+# False keeps the layer-by-layer form (the benchmark's A/B).
+FUSED_KERNELS = True
+
+
 class RMSNorm(nn.Module):
     """Qwen2's RMSNorm: normalise in fp32, scale in the input dtype."""
 
@@ -95,6 +106,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
+        if FUSED_KERNELS:  # one kernel; in bf16 the scale is applied before the one rounding (HF rounds twice)
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
@@ -127,6 +140,16 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(d.hidden, d.n_kv_heads * d.head_dim, bias=True)
         self.v_proj = nn.Linear(d.hidden, d.n_kv_heads * d.head_dim, bias=True)
         self.o_proj = nn.Linear(d.n_heads * d.head_dim, d.hidden, bias=False)
+        self._qkv_w, self._qkv_b = stacked(), stacked()  # q, k, v projections as one matmul
+
+    def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x (B, T, D) -> q (B, T, H*hd), k and v (B, T, KVH*hd)."""
+        if not FUSED_KERNELS:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        qkv = F.linear(x, self._qkv_w(self.q_proj.weight, self.k_proj.weight, self.v_proj.weight),
+                       self._qkv_b(self.q_proj.bias, self.k_proj.bias, self.v_proj.bias))
+        q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        return qkv.split([q_dim, kv_dim, kv_dim], dim=-1)
 
     def forward(
         self,
@@ -140,9 +163,10 @@ class Attention(nn.Module):
         kv_len: int = 0,  # decode: how many cache positions to attend over
     ) -> Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, KVH, T, hd)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = self.project(x)
+        q = q.reshape(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
+        k = k.reshape(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, KVH, T, hd)
+        v = v.reshape(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             cache_k, cache_v = cache
@@ -164,9 +188,13 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(d.hidden, d.intermediate, bias=False)
         self.up_proj = nn.Linear(d.hidden, d.intermediate, bias=False)
         self.down_proj = nn.Linear(d.intermediate, d.hidden, bias=False)
+        self._gate_up = stacked()  # gate and up projections as one matmul
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if not FUSED_KERNELS:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = F.linear(x, self._gate_up(self.gate_proj.weight, self.up_proj.weight)).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -256,11 +284,12 @@ class CosyVoice2LM(nn.Module):
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> CosyVoice2LM:
-        """Build on the meta device, then adopt `llm.pt`'s tensors (strict keys, errors name the file)."""
+        """Build on the meta device, then adopt `llm.pt`'s tensors, read onto `device` and cast there
+        (strict keys, errors name the file)."""
         dims = LlmDims.from_model_dir(model_dir)
-        with torch.device("meta"):
+        with empty_init():
             model = cls(dims)
-        state = load_state_dict(model_dir, "llm.pt")
+        state = load_state_dict(model_dir, "llm.pt", device)
         check_keys(str(Path(model_dir) / "llm.pt"), set(state), set(model.state_dict()))
         for name, expected in model.state_dict().items():
             if state[name].shape != expected.shape:

@@ -23,6 +23,7 @@ flow/HiFT batch.
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -36,11 +37,21 @@ log = logging.getLogger(__name__)
 
 FLUSH_AFTER_S = 1.0  # a partial flow bucket runs once its oldest row has waited this long
 POLL_S = 0.05  # how long an idle LLM thread waits on the intake before looking at `stop` again
+# CUDA stream priority of the LLM thread (lower is more urgent; 0 is the default streams' priority).
+# The decode step is hundreds of small kernels that leave most SMs idle; at a higher priority than
+# the vocoder's stream they take SMs as flow/HiFT blocks retire instead of queueing behind whole flow
+# kernels, so the LLM decodes inside flow/HiFT's time rather than after it.
+LLM_STREAM_PRIORITY = -1
+BUCKETS_PER_OCTAVE = 2  # flow length buckets per doubling of length (1: within 2x, 2: within 1.41x)
+IDLE_BATCH_DIV = 4  # an idle vocoder runs a bucket holding flow_batch / this many rows (0: wait for full/old)
+LONGEST_FIRST = True  # refill LLM rows with the longest waiting texts first (shorter tail at the end of the work)
+MAX_WAIT_S = 10.0  # ... unless a request has waited this long: then it goes first, whatever its length
 
 
-def _bucket(n_tokens: int) -> int:
-    """Length bucket of a finished sequence: rows within a factor of 2 share a flow batch."""
-    return max(n_tokens, 1).bit_length()
+def length_bucket(n_tokens: int) -> int:
+    """Length bucket of a finished sequence: rows within a factor of 2 ** (1 / BUCKETS_PER_OCTAVE)
+    share a flow batch, so padding (and attention over it) stays small."""
+    return int(BUCKETS_PER_OCTAVE * math.log2(max(n_tokens, 1)))
 
 
 class _Feed:
@@ -56,6 +67,7 @@ class _Feed:
         self._solo: SynthesisRequest | None = None
         self._exclusive = False  # a solo request is rendering: take nothing else
         self._keys = 0
+        self._seen: dict[int, float] = {}  # id(request) -> when this feed first saw it in the intake
 
     def waiting(self) -> int:
         if self.closed or self._solo is not None or self._exclusive or self.s.vocoder.backlogged():
@@ -81,23 +93,58 @@ class _Feed:
             s.vocoder.wait_not_backlogged(s.stop)
         if s.vocoder.backlogged():
             return []  # flow/HiFT (or storage behind them) is behind: let it catch up
-        batch: list[SynthesisRequest] = []
-        while len(batch) < n:
-            try:
-                req = s.intake.get(timeout=POLL_S) if wait and not batch else s.intake.get_nowait()
+        if wait and not s.intake.qsize():
+            try:  # block briefly for the first request, then put it back to be chosen with the rest
+                first = s.intake.get(timeout=POLL_S)
             except queue.Empty:
-                break
-            if req is None:
-                self.closed = True
-                break
-            if req.solo:
-                self._solo = req
-                break
-            batch.append(req)
+                return []
+            with s.intake.mutex:
+                s.intake.queue.appendleft(first)
+        batch = self._pick(n)
         got = self._admit(batch) if batch else []
         if self.closed and not got:
             return None
         return got
+
+    def _pick(self, n: int) -> list[SynthesisRequest]:
+        """Up to n requests out of the intake, chosen in place (what is not chosen stays there, so the
+        Pipeline can still take it back on shutdown, attempts un-counted). The scan stops at the end
+        of the intake (None: the feed closes once what precedes it is taken) or at a solo request
+        (held until the LLM and the vocoder are empty). Among what precedes that, requests that have
+        waited over MAX_WAIT_S go first, then the longest texts (LONGEST_FIRST): long sequences started
+        early do not end the work decoding alone."""
+        q = self.s.intake
+        now = time.monotonic()
+        with q.mutex:
+            ready: list[int] = []
+            stop_at = None
+            for i, req in enumerate(q.queue):
+                if req is None or req.solo:
+                    stop_at = i
+                    break
+                ready.append(i)
+            seen = {id(q.queue[i]): self._seen.get(id(q.queue[i]), now) for i in ready}
+            self._seen = seen
+            if LONGEST_FIRST:
+                def order(i: int) -> tuple:
+                    req = q.queue[i]
+                    waited = now - seen[id(req)]
+                    return (0, -waited) if waited >= MAX_WAIT_S else (1, -len(req.text))
+                ready.sort(key=order)
+            chosen = sorted(ready[:n])
+            batch = [q.queue[i] for i in chosen]
+            for i in reversed(chosen):
+                del q.queue[i]
+            if stop_at is not None and len(chosen) == len(ready):  # everything before the marker is taken
+                marker = q.queue[0]
+                if marker is None:
+                    self.closed = True
+                else:
+                    self._solo = marker
+                    q.queue.popleft()
+            for req in batch:
+                self._seen.pop(id(req), None)
+        return batch
 
     def _admit(self, batch: list[SynthesisRequest]) -> list:
         s = self.s
@@ -136,7 +183,7 @@ class _Vocoder:
 
     def put(self, item) -> None:
         with self.cv:
-            key = _bucket(len(item.tokens))
+            key = length_bucket(len(item.tokens))
             self.buckets.setdefault(key, []).append(item)
             self.since.setdefault(key, time.perf_counter())
             self.pending += 1
@@ -185,8 +232,12 @@ class _Vocoder:
                 if self.buckets:
                     starved = self.draining or self.closing or self.s.llm_rows() < self.flow_batch
                     old = [k for k, t in self.since.items() if now - t >= FLUSH_AFTER_S]
-                    if starved or old:
-                        key = max(old) if old and not starved else max(self.buckets)
+                    # The vocoder is idle here: a bucket a quarter full runs now rather than leaving
+                    # flow/HiFT's stream empty while it fills (the start of the work, gaps later).
+                    ready = [k for k, rows in self.buckets.items()
+                             if IDLE_BATCH_DIV and len(rows) >= max(1, self.flow_batch // IDLE_BATCH_DIV)]
+                    if starved or old or ready:
+                        key = max(old) if old and not starved else max(ready, key=lambda k: len(self.buckets[k])) if ready and not starved else max(self.buckets)
                         return self.buckets.pop(key), self.since.pop(key)
                 elif self.closing:
                     return None
@@ -250,18 +301,26 @@ class StreamingScheduler:
     def run(self) -> None:
         self.vocoder.thread.start()
         try:
-            while not self.feed.closed:
-                try:
-                    for key, tokens in self.engine.llm.stream(self.feed):
-                        self._finished_row(key, tokens)
-                except Exception as e:  # noqa: BLE001 - what the LLM was decoding is rendered alone
-                    log.warning("LLM batch failed (%s: %s); rendering its %d requests one at a time",
-                                type(e).__name__, e, len(self.feed.inflight))
-                    self._one_at_a_time()
-                    continue
-                break
+            with ExitStack() as stack:
+                dev = getattr(self.engine.llm, "device", None)  # the torch backend's; vLLM keeps its own streams
+                if dev is not None and dev.type == "cuda":
+                    stack.enter_context(torch.cuda.stream(torch.cuda.Stream(dev, priority=LLM_STREAM_PRIORITY)))
+                self._decode()
         finally:
             self.vocoder.close()
+
+    def _decode(self) -> None:
+        """The LLM thread: stream finished rows to the vocoder until the intake ends."""
+        while not self.feed.closed:
+            try:
+                for key, tokens in self.engine.llm.stream(self.feed):
+                    self._finished_row(key, tokens)
+            except Exception as e:  # noqa: BLE001 - what the LLM was decoding is rendered alone
+                log.warning("LLM batch failed (%s: %s); rendering its %d requests one at a time",
+                            type(e).__name__, e, len(self.feed.inflight))
+                self._one_at_a_time()
+                continue
+            break
 
     def _finished_row(self, key: int, tokens: list[int]) -> None:
         item = self.feed.inflight.pop(key)

@@ -29,7 +29,7 @@ import numpy as np
 import soundfile as sf
 import torch
 
-from voxbatch.worker.cosyvoice2.checkpoint import read_config
+from voxbatch.worker.cosyvoice2.checkpoint import empty_init, read_config
 from voxbatch.model_files import QWEN_DIR
 from voxbatch.tokenizer import QWEN2_SPLIT
 
@@ -241,7 +241,7 @@ def _llm_state(model_dir: Path, gen: torch.Generator) -> dict[str, torch.Tensor]
     from voxbatch.worker.cosyvoice2.llm import CosyVoice2LM, LlmDims
 
     dims = LlmDims.from_model_dir(model_dir)
-    with torch.device("meta"):
+    with empty_init():
         model = CosyVoice2LM(dims)
     state = _random_state(model, gen)
     state["llm.model.lm_head.weight"] = state["llm.model.model.embed_tokens.weight"]  # tied, one storage
@@ -255,7 +255,7 @@ def _llm_state(model_dir: Path, gen: torch.Generator) -> dict[str, torch.Tensor]
 def _flow_state(config: dict, gen: torch.Generator) -> dict[str, torch.Tensor]:
     from voxbatch.worker.cosyvoice2.flow import CausalFlow, FlowDims
 
-    with torch.device("meta"):
+    with empty_init():
         model = CausalFlow(FlowDims.from_config(config))
     return _random_state(model, gen)
 
@@ -265,7 +265,7 @@ def _hift_state(config: dict, gen: torch.Generator) -> dict[str, torch.Tensor]:
     from voxbatch.worker.cosyvoice2.hift import HiFTGenerator, HiftDims
 
     dims = HiftDims.from_config(config)
-    with torch.device("meta"):
+    with empty_init():
         model = HiFTGenerator(dims)
     state = _random_state(model, gen)
     # Voiced F0 around 150 Hz and a quiet output (exp of the log-magnitude), so the audio is not clipped.

@@ -29,6 +29,8 @@ from voxbatch.worker.cosyvoice2.llm import CosyVoice2LM
 from voxbatch.worker.cosyvoice2.llm_backend import Feed, ListFeed, LlmBackend, LlmRequest, LlmResult
 from voxbatch.worker.cosyvoice2.sampling import BatchSampler, RasConfig
 
+MAX_SEQ = 4096  # positions of the KV cache: prompt + max_tokens of a request must fit
+
 
 def _bucket(n: int, cap: int) -> int:
     """Next power of two >= n (at most cap): graphs are captured for a few row counts, not every B."""
@@ -159,7 +161,7 @@ class TorchLlmBackend(LlmBackend):
         self,
         model: CosyVoice2LM,
         max_batch: int = 64,  # rows of the KV cache: at most this many requests decode at once
-        max_seq: int = 4096,  # positions of the KV cache: prompt + max_tokens must fit
+        max_seq: int = MAX_SEQ,  # positions of the KV cache: prompt + max_tokens must fit
         cuda_graphs: bool | None = None,  # capture the step as CUDA graphs (default: on CUDA)
         sync_every: int = 16,  # steps between host looks for finished rows
         bucket_batches: bool | None = None,  # round the row count up to a power of two (default: with graphs)
@@ -185,11 +187,15 @@ class TorchLlmBackend(LlmBackend):
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
         max_batch: int = 64,
-        max_seq: int = 4096,
+        max_seq: int = MAX_SEQ,
         cuda_graphs: bool | None = None,
     ) -> TorchLlmBackend:
         model = CosyVoice2LM.from_model_dir(model_dir, device=device, dtype=dtype)
         return cls(model, max_batch=max_batch, max_seq=max_seq, cuda_graphs=cuda_graphs)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.llm_decoder.weight.device
 
     def _state(self, rows: int) -> _Rows:
         """The decoding state for `rows` rows, made (and its graphs captured) on first use."""

@@ -1,0 +1,91 @@
+"""BENCHMARKS.md's and docs/scaling.md's GPU numbers are generated from bench/results, so they cannot drift.
+
+`python -m bench.report --check` regenerates every marked block from the committed result files and
+fails when a committed block differs; a result with another figure makes it fail; and every number
+in a "× real time" column of a generated block is an `x_realtime` figure of some result file. Run as
+a subprocess: tests do not import bench.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results"
+BLOCK = re.compile(r"<!-- bench:([\w-]+) begin -->\n(.*?)<!-- bench:\1 end -->", re.DOTALL)
+
+
+def report(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-m", "bench.report", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def x_realtime_figures() -> set[float]:
+    found: set[float] = set()
+
+    def walk(v, key: str = "") -> None:
+        if isinstance(v, dict):
+            for k, x in v.items():
+                walk(x, k)
+        elif isinstance(v, list):
+            for x in v:
+                walk(x, key)
+        elif "x_realtime" in key and isinstance(v, (int, float)):
+            found.add(float(v))
+
+    for path in RESULTS.glob("*.json"):
+        walk(json.loads(path.read_text(encoding="utf-8")))
+    return found
+
+
+def real_time_cells(block: str) -> list[str]:
+    """The cells of every "real time" column of the markdown tables in a block."""
+    cells, columns = [], None
+    for line in block.splitlines():
+        if not line.startswith("|"):
+            columns = None
+            continue
+        row = [c.strip() for c in line.strip().strip("|").split("|")]
+        if columns is None:
+            columns = [i for i, name in enumerate(row) if "real time" in name]
+        elif not set(line) <= set("|-"):
+            cells += [row[i] for i in columns]
+    return cells
+
+
+def test_committed_docs_are_what_the_results_give():
+    out = report("--check")
+    assert out.returncode == 0, out.stderr
+
+
+def test_a_changed_result_makes_the_docs_stale(tmp_path):
+    for path in RESULTS.glob("*.json"):
+        shutil.copy(path, tmp_path / path.name)
+    r = json.loads((tmp_path / "gpu_h200_worker.json").read_text())
+    first = next(iter(r["stages"]["worker"]["runs"].values()))
+    first["x_realtime"] += 1
+    (tmp_path / "gpu_h200_worker.json").write_text(json.dumps(r))
+    out = report("--check", "--results", str(tmp_path))
+    assert out.returncode == 1 and "BENCHMARKS.md" in out.stderr and "docs/scaling.md" in out.stderr
+
+
+def test_every_real_time_figure_in_a_generated_block_is_in_a_result():
+    figures = x_realtime_figures()
+    blocks = {name: body for path in ("BENCHMARKS.md", "docs/scaling.md")
+              for name, body in BLOCK.findall((REPO / path).read_text(encoding="utf-8"))}
+    assert {"headline", "gpu-stages", "scaling-gpu"} <= set(blocks)
+    checked = 0
+    for name, body in blocks.items():
+        for cell in real_time_cells(body):
+            m = re.match(r"\**([\d,]+(?:\.\d+)?)", cell)
+            if m:
+                assert float(m.group(1).replace(",", "")) in figures, f"bench:{name}: {cell} × real time is in no result file"
+                checked += 1
+    assert checked >= 4  # the worker runs, the engine run and the baseline at least
