@@ -7,13 +7,14 @@ token, -inf elsewhere. The backend sends every request greedy (temperature 0, no
 vLLM's sampler only takes that argmax. Why not write log P and let vLLM draw: a seeded request gets
 its own torch.Generator in vLLM, and its sampler draws for those one request at a time (256 small
 kernels a step at 256 rows); and the same seed now gives the same tokens as the torch backend
-wherever the logits agree.
+wherever the logits agree. The draws follow the official two-step distribution (tests check them
+against its closed form, `sampling.ras_log_probs`).
 
 Per-request state lives in preallocated device tensors, one row per batch row (V1) or request slot
 (V2): seed key, top_p/top_k/win_size/tau_r, greedy, min_tokens, and (V1) the decoded count and the
 last `WINDOW` tokens. `apply` is tensor operations over all rows with no host sync and no Python
 loop over requests; the host touches the tensors only when requests join, leave or move, once per
-such step (one packed host-to-device copy).
+such step (packed host-to-device copies from pinned memory, not waiting for the GPU).
 
 vLLM has two logits-processor interfaces: the V1 model runner's (`vllm.v1.sample.logits_processor`,
 persistent batch + `BatchUpdate`; what vLLM 0.26 runs) and Model Runner V2's
@@ -89,7 +90,8 @@ class RowTable:
 
     ints (N, 7 + W) int64: seed key, top_k, win_size, greedy, min_tokens, active, decoded count, the
     last W decoded tokens (oldest first, -1 where fewer); floats (N, 2) float32: top_p, tau_r. Rows
-    are written in groups: `stage` collects on the host, `flush` writes them with one packed copy.
+    are written in groups: `stage` collects on the host, `flush` writes them with one packed copy per
+    table; vLLM's moves are one gather.
     """
 
     def __init__(self, rows: int, window: int, device: torch.device | str, pin_memory: bool = False):
@@ -109,7 +111,7 @@ class RowTable:
             self.live.add(row)
 
     def flush(self) -> None:
-        """Write the staged rows: one host-to-device copy per table."""
+        """Write the staged rows: one packed host-to-device copy per table (and one of the row index)."""
         if not self._staged:
             return
         rows = list(self._staged)
@@ -142,7 +144,7 @@ class RowTable:
             source[b] = sa
             source[a] = sb if swap else None
             live_a, live_b = a in self.live, b in self.live
-            self.live.discard(a), self.live.discard(b)
+            self.live -= {a, b}
             if live_a:
                 self.live.add(b)
             if swap and live_b:
