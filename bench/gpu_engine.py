@@ -837,7 +837,7 @@ class Bench:
         corpus = self.tmp / "corpus.txt"
         corpus.write_text("\n\n".join(s.text for s in self.corpus) + "\n", encoding="utf-8")
         warm = self.tmp / "warm.txt"
-        warm.write_text("\n\n".join(s.text for s in self.corpus[:32]) + "\n", encoding="utf-8")
+        warm.write_text("\n\n".join(s.text for s in self.corpus[: a.worker_warm_segments]) + "\n", encoding="utf-8")
         harness = WorkerHarness(self.tmp, env, a.redis_server)
         runs = {}
         try:
@@ -1194,6 +1194,8 @@ def main() -> None:
     ap.add_argument("--worker-task-sizes", type=int, nargs="+", default=[16, 64],
                     help="worker stage: one job per task size (the producer's batch_size); the first is the figure")
     ap.add_argument("--worker-timeout-s", type=float, default=300.0)
+    ap.add_argument("--worker-warm-segments", type=int, default=32,
+                    help="worker stage: segments of the warm job before the measured ones (first flow shapes, allocator)")
     ap.add_argument("--redis-server", default=None, help="redis-server binary for the worker stage (default: PATH)")
     ap.add_argument("--engine-runs", nargs="+", default=["rows=256,flow=64,task=16"],
                     help="engine stage: one run per configuration (same keys as --worker-run)")

@@ -119,8 +119,8 @@ class CausalConv1d(nn.Conv1d):
         taps = self._taps(self.weight)  # (K, C_out, C_in)
         flat = F.pad(x.reshape(B * T, C), (0, 0, K - 1, 0))  # (K-1 + B*T, C)
         y = F.linear(flat[K - 1 :], taps[K - 1], self.bias)  # (B*T, C_out)
-        for k in range(K - 1):
-            y.addmm_(flat[k : k + B * T], taps[k].t())
+        for k in range(K - 1):  # out of place: under autocast (the fp32 baseline) y is fp16 while taps are fp32
+            y = torch.addmm(y, flat[k : k + B * T], taps[k].t())
         return y.view(B, T, -1)
 
 

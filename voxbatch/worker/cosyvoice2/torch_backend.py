@@ -99,7 +99,9 @@ class _Rows:
         torch.cuda.current_stream().wait_stream(side)
         for w in self.widths:
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            # thread_local: a capture may happen while the vocoder thread runs flow/HiFT (render captures
+            # a row count on first use); the default global mode fails that thread's CUDA calls.
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 self.step(w)
             self.graphs[w] = graph
         torch.cuda.synchronize()
