@@ -189,8 +189,8 @@ def targets(first: dict, base_x: float | None, runs: list[dict]) -> str:
     if base_x:
         checks.append((f"≥ {TARGET_VS_BASELINE}× the baseline", f"{round(x / base_x):,}×", x / base_x >= TARGET_VS_BASELINE))
     if len(runs) > 1:
-        worst = min(run["of_first_pct"] for run in runs)
-        checks.append((f"every task size ≥ {TARGET_TASK_SIZE_PCT}% of the first", f"{worst}%", worst >= TARGET_TASK_SIZE_PCT))
+        worst = min(run["of_first_pct"] for run in runs[1:])
+        checks.append((f"every other task size ≥ {TARGET_TASK_SIZE_PCT}% of the first", f"{worst}%", worst >= TARGET_TASK_SIZE_PCT))
     met = [f"{what} (got {got})" for what, got, ok in checks if ok]
     missed = [f"{what} (got {got})" for what, got, ok in checks if not ok]
     return "; ".join(part for part in (f"**not met**: {', '.join(missed)}" if missed else "",

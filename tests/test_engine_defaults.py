@@ -20,7 +20,8 @@ from voxbatch.worker.cosyvoice2.torch_backend import MAX_SEQ
 from voxbatch.worker.tone import ToneEngine
 
 REPO = Path(__file__).resolve().parents[1]
-RESULT = json.loads((REPO / "bench" / "results" / "gpu_h200_worker.json").read_text())
+RESULT = json.loads((REPO / "bench" / "results" / "gpu_h200_worker.json").read_text())  # the headline worker
+ENGINE_RESULT = json.loads((REPO / "bench" / "results" / "gpu_h200_engine.json").read_text())  # same session: engine A/Bs
 GIB = 2**30
 
 
@@ -39,7 +40,8 @@ def test_defaults_are_the_measured_configuration_on_the_measured_gpu():
     it was given equals the default, and the first engine run (the same configuration) reports the
     rows, budget and threads the defaults give on that GPU."""
     env = RESULT["stages"]["worker"]["env"]
-    engine_run = next(iter(RESULT["stages"]["engine"]["runs"].values()))
+    engine_run = next(iter(ENGINE_RESULT["stages"]["engine"]["runs"].values()))
+    assert engine_run["env"] == {k: v for k, v in env.items() if k in engine_run["env"]}  # the same configuration
     s = Settings()
     free = 140 * GIB  # an H200 with nothing else on it (the result's GPU)
     rows = llm_rows(gpu(), full_size_kv_bytes_per_row(torch.bfloat16), free_bytes=free)

@@ -79,13 +79,14 @@ class Settings(BaseSettings):
     # batch shape by rounding, which moved no draw in 4 of 4 segments on an H200,
     # bench/results/gpu_tests_h200.txt). Audio is never bit-identical: the flow (fp16) and HiFT pick
     # kernels per batch shape and HiFT integrates F0 into phase, so samples move. "bfloat16": none of
-    # it (H200: RAS gave 2 of 4 segments other tokens in a batch than alone).
-    # tests/test_gpu_batch_invariance.py asserts this; `python -m bench.gpu_engine --stages
-    # invariance` measures both dtypes and what float32 costs.
+    # it (H200: 0 of 8 probes kept their tokens in another batch). Measured in one run
+    # (bench/results/gpu_h200_engine.json, invariance): float32 kept 8 of 8 probes' tokens but cost
+    # 71% of the x real time, so the default stays bf16; an unchanged segment is reused from storage
+    # instead of re-rendered (the content cache). tests/test_gpu_batch_invariance.py asserts this.
     llm_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    # Run the flow estimator through torch.compile when the flow sits on a GPU. Off: compiling adds
-    # minutes of warm-up and no committed result shows it paying off through the worker's engine
-    # (measure: `python -m bench.gpu_engine --stages flow_hift engine --flow-compile --engine-runs compile=true`).
+    # Run the flow estimator through torch.compile when the flow sits on a GPU. Off: on the H200 it
+    # added 163 s of warm-up for 193.0x against 192.5x through the worker's engine
+    # (bench/results/h200_probe2.json, engine runs; `--engine-runs task=16 task=16,compile=true`).
     flow_compile: bool = False
     # Benchmark only: every segment decodes exactly as many speech tokens as real speech of its text
     # would (forced_lengths.py), because random-weight models never stop. Changes nothing else.
