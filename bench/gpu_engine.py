@@ -359,13 +359,14 @@ def commit() -> str:
 
 def run_pipeline(engine: Engine, texts: list[str], storage_root: Path, settings: Settings, timeout_s: float = 600.0) -> dict:
     """The worker's own path without the broker: Pipeline (engine -> bounded queue -> upload threads ->
-    a local folder), fed exactly as `voxbatch worker` feeds it: tasks of `settings.batch_size`
-    segments, `task_threads(settings, engine.max_batch)` of them at once, each holding its segments in the worker's
-    `SegmentBudget` (voxbatch/worker/budget.py). Wall time from the first task to the last segment stored."""
+    a local folder), fed exactly as `voxbatch worker` feeds it (`embedded.feed_like_a_worker`: tasks of
+    `settings.batch_size` segments in the worker's `SegmentBudget`). Wall time from the first task to
+    the last segment stored."""
+    from voxbatch.embedded import feed_like_a_worker
     from voxbatch.jobstate import MemoryJobStore
     from voxbatch.models import RenderTask, SynthesisParams, TaskSegment, segment_id
     from voxbatch.storage import LocalStorage
-    from voxbatch.worker.budget import SegmentBudget, inflight_segments, task_threads
+    from voxbatch.worker.budget import inflight_segments, task_threads
     from voxbatch.worker.pipeline import Pipeline
 
     fmt = settings.output_format
@@ -380,23 +381,10 @@ def run_pipeline(engine: Engine, texts: list[str], storage_root: Path, settings:
     metrics = StoreTimes()
     pipe = Pipeline(engine, LocalStorage(storage_root), jobs, settings, on_job_complete=lambda _j: None, metrics=metrics).start()
     rows = engine.max_batch  # engine_max_batch, or what the engine picked
-    budget, lock = SegmentBudget(inflight_segments(settings, rows)), threading.Lock()
-
-    def task_thread() -> None:
-        while True:
-            with lock:
-                task = next(tasks, None)
-            if task is None:
-                return
-            with budget.hold(len(task.segments)):
-                pipe.submit(task).wait()
-
-    threads = [threading.Thread(target=task_thread, daemon=True) for _ in range(task_threads(settings, rows))]
     try:
         with GpuUtilisation() as util:
             t0 = time.perf_counter()
-            for t in threads:
-                t.start()
+            threads = feed_like_a_worker(pipe, tasks, settings, rows)  # as `voxbatch render` and a worker's threads
             for t in threads:
                 t.join(max(0.0, t0 + timeout_s - time.perf_counter()))
             wall = time.perf_counter() - t0

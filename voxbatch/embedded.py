@@ -28,13 +28,13 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from voxbatch import keys
 from voxbatch.jobstate import MemoryJobStore
-from voxbatch.models import JobSpec, JobStatus, Manifest, SynthesisParams
+from voxbatch.models import JobSpec, JobStatus, Manifest, RenderTask, SynthesisParams
 from voxbatch.producer.assemble import JobAssembly
 from voxbatch.producer.submit import check_voices, load_spec, plan_job, render_tasks, store_spec
 from voxbatch.settings import AudioFormat, Settings
@@ -297,14 +297,13 @@ class _Assembler:
         return not self._thread.is_alive()
 
 
-def _feed(pipeline: Pipeline, spec: JobSpec, settings: Settings, rows: int) -> list[threading.Thread]:
-    """Hand the job's tasks to the pipeline as a worker's Celery threads do (voxbatch/worker/budget.py):
-    in reading order, at most `inflight_segments` segments at once. The engine picks among what is in
-    its intake (longest first), so holding the whole book there would finish chapters in any order;
-    a window of the book finishes them nearly in order, and each can be assembled while later ones
-    render. Returns the started threads; each ends when the tasks run out (or the pipeline abandons
-    them on Ctrl-C)."""
-    tasks = render_tasks(spec, settings.batch_size)
+def feed_like_a_worker(pipeline: Pipeline, tasks: Iterator[RenderTask], settings: Settings, rows: int) -> list[threading.Thread]:
+    """Hand tasks to the pipeline as a worker's Celery threads do (voxbatch/worker/budget.py): in
+    order, at most `inflight_segments` segments at once, `task_threads` threads. The engine picks
+    among what is in its intake (longest first), so holding a whole book there would finish chapters
+    in any order; a window of the book finishes them nearly in order, and each can be assembled while
+    later ones render. Returns the started threads; each ends when the tasks run out (or the pipeline
+    abandons them on Ctrl-C). The GPU benchmark feeds the engine stage with it too."""
     lock = threading.Lock()
     budget = SegmentBudget(inflight_segments(settings, rows))
 
@@ -337,7 +336,7 @@ def _run(spec: JobSpec, storage: Storage, engine: Engine, settings: Settings,
     try:
         pipeline = Pipeline(engine, storage, jobs, settings, on_job_complete=lambda _job: finished.set()).start()
         try:
-            for feeder in _feed(pipeline, spec, settings, engine.max_batch):
+            for feeder in feed_like_a_worker(pipeline, render_tasks(spec, settings.batch_size), settings, engine.max_batch):
                 while feeder.is_alive():
                     feeder.join(0.2)
                     if on_progress is not None:
