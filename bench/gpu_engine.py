@@ -298,7 +298,7 @@ def busy_pct(summary: dict | None) -> float | None:
 
 # Short names in --engine-runs / --worker-run specs -> Settings fields.
 RUN_KEYS = {"rows": "engine_max_batch", "flow": "engine_flow_batch", "task": "batch_size", "dtype": "llm_dtype",
-            "compile": "flow_compile", "inflight": "worker_inflight_segments", "upload": "upload_threads",
+            "inflight": "worker_inflight_segments", "upload": "upload_threads",
             "format": "output_format"}
 
 

@@ -84,10 +84,6 @@ class Settings(BaseSettings):
     # 71% of the x real time, so the default stays bf16; an unchanged segment is reused from storage
     # instead of re-rendered (the content cache). tests/test_gpu_batch_invariance.py asserts this.
     llm_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    # Run the flow estimator through torch.compile when the flow sits on a GPU. Off: on the H200 it
-    # added 163 s of warm-up for 193.0x against 192.5x through the worker's engine
-    # (bench/results/h200_probe2.json, engine runs; `--engine-runs task=16 task=16,compile=true`).
-    flow_compile: bool = False
     # Benchmark only: every segment decodes exactly as many speech tokens as real speech of its text
     # would (forced_lengths.py), because random-weight models never stop. Changes nothing else.
     engine_forced_lengths: bool = False

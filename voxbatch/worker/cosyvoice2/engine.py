@@ -292,8 +292,6 @@ class CosyVoice2Engine(Engine):
             base = settings or Settings(model_dir=str(model_dir))
             llm = VllmLlmBackend.from_settings(base.model_copy(update={"engine_max_batch": max_batch}))
         flow = CausalFlow.from_model_dir(model_dir, device=p.flow_device, dtype=p.flow_dtype)
-        if settings is not None and settings.flow_compile and torch.device(p.flow_device).type == "cuda":
-            flow.decoder.compile_estimator()  # compiled by warmup(), before the first task
         hift = HiFTGenerator.from_model_dir(model_dir, device=p.hift_device, dtype=p.hift_dtype)
         log.info("cosyvoice2 engine: %s; llm=%s on %s (%d rows), flow on %s, hift on %s", model_dir, llm.name, p.llm_device,
                  max_batch, p.flow_device, p.hift_device)
@@ -401,10 +399,7 @@ class CosyVoice2Engine(Engine):
         no task pays for it."""
         request = SynthesisRequest("warmup", WARMUP_TEXT, "", 0, SynthesisParams(max_tokens=50))
         voice = self.empty_voice()
-        # A compiled flow estimator specialises batch 1: two requests compile the batched graph too.
-        n = 2 if self.flow.decoder.compiled_estimator is not None else 1
-        items = [_Item(request, voice, self.llm_request(request, voice)) for _ in range(n)]
-        for result in self._run(items):
+        for result in self._run([_Item(request, voice, self.llm_request(request, voice))]):
             if result.error:
                 raise RuntimeError(f"cosyvoice2 warm-up failed: {result.error}")
         self.llm.warmup()

@@ -24,7 +24,6 @@ bf16 max abs 5e-2 (mels span about +-5).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -94,19 +93,6 @@ class ConditionalFlowMatching(nn.Module):
         self.cfg_rate = dims.inference_cfg_rate
         self.estimator = CausalConditionalDecoder(dims.estimator)
         self.noise: torch.Tensor | None = None  # (1, 80, 15000) fp32, set by CausalFlow.from_model_dir / init_noise
-        self.compiled_estimator: Callable[..., torch.Tensor] | None = None  # set by compile_estimator
-
-    def compile_estimator(self, enabled: bool = True) -> None:
-        """Run the estimator through torch.compile (dynamic shapes: one graph for every B and T).
-
-        The estimator is called 10 times per batch and most of its kernels are small elementwise ops
-        (LayerNorm, GELU, adds, masks) that inductor fuses. Kept as a plain callable, not a
-        submodule, so the state dict is unchanged; `enabled=False` goes back to eager.
-        """
-        if not enabled:
-            self.compiled_estimator = None
-        elif self.compiled_estimator is None:
-            self.compiled_estimator = torch.compile(self.estimator.forward, dynamic=True)
 
     def forward(
         self,
@@ -130,7 +116,7 @@ class ConditionalFlowMatching(nn.Module):
         cond_in = torch.cat([cond, torch.zeros_like(cond)])
         # Time advances as the official solver does it (t += dt, dt = t_span[k+1] - t), in fp32.
         t, dt = t_span[0:1], t_span[1] - t_span[0]
-        estimator = self.compiled_estimator or self.estimator
+        estimator = self.estimator
         for step in range(1, n_steps + 1):
             v = estimator(
                 torch.cat([x, x]), mask_in, mu_in, t.expand(2 * B), spks_in, cond_in, streaming=streaming
