@@ -6,7 +6,7 @@
 Sequences leave the LLM at different times; each finished one goes into a bucket of similar token
 length, and a bucket runs through flow + HiFT as one padded batch as soon as it is full (or when the
 LLM has nothing left), so the acoustic models work while the LLM still decodes the long rows and
-padding stays below 2x. Both acoustic models are batch-invariant up to rounding (masks, per-row noise),
+padding stays below 1.41x (streaming.length_bucket). Both acoustic models are batch-invariant up to rounding (masks, per-row noise),
 so a segment sounds the same whichever batch it lands in, though not bit for bit: GEMM and conv kernels
 are picked per batch shape. The LLM samples with a per-request seed; whether its tokens survive another
 batch depends on its dtype (Settings.llm_dtype).

@@ -6,10 +6,14 @@
 Why one loop: batch-at-a-time serving (decode a batch, vocode it, then take more) left the GPU idle
 while the slowest row of each batch decoded alone, and let the worker's batch size follow its Celery
 task size. Here the LLM backend takes work from the intake whenever rows free up, whatever task it
-came from; each finished sequence goes into a length bucket; a bucket runs through flow + HiFT as one
-batch when it is full, when the LLM has too little left to fill it, or when its oldest row has waited
-`FLUSH_AFTER_S`. The vocoder thread runs on its own CUDA stream, so the decode step's graphs keep the GPU
-busy while flow/HiFT run, and HiFT's output comes to the host through pinned memory on that stream.
+came from, longest texts first (a long sequence started late would end the work decoding alone); each
+finished sequence goes into a length bucket (half an octave wide); a bucket runs through flow + HiFT as
+one batch when it is full, when the vocoder is idle and the bucket a quarter full, when the LLM has too
+little left to fill it, or when its oldest row has waited `FLUSH_AFTER_S`. The vocoder thread runs on
+its own CUDA stream and the LLM thread on a higher-priority one, so the decode step's small kernels
+take SMs as flow/HiFT blocks retire instead of queueing behind them; HiFT's output comes to the host
+through pinned memory on the vocoder's stream. Each of these choices was measured against its
+alternative in one H200 run (BENCHMARKS.md, "This round's changes").
 
 The Pipeline's contract (`Engine.serve`) holds: `admit` is called on what is taken from the intake
 before it renders (attempts are counted there); a `solo` request (a suspect) renders with nothing else
