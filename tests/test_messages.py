@@ -65,3 +65,39 @@ def test_the_worker_renders_what_the_spec_says_not_what_the_message_says(specs):
     assert (task.voice, task.format, task.params) == ("tone", "wav", SynthesisParams())
     (seg,) = task.segments
     assert (seg.id, seg.text, seg.seed) == ("0001-00002", "Chapter 1 sentence 2.", spec().seed_of(spec().segments[5]))
+
+
+def test_tasks_arriving_together_read_the_spec_once(tmp_path):
+    """A worker's task threads all start on a new job at once: one of them reads and parses the spec,
+    the others wait for it, so a long book's spec is not parsed once per thread."""
+    import threading
+
+    class CountingStorage(LocalStorage):
+        def __init__(self, root):
+            super().__init__(root)
+            self.reads = 0
+
+        def get(self, key):
+            self.reads += 1
+            threading.Event().wait(0.05)  # a slow store: the other threads arrive while it reads
+            return super().get(key)
+
+    storage = CountingStorage(tmp_path)
+    store_spec(storage, spec())
+    cache = SpecCache(storage)
+    start = threading.Barrier(16)
+    got = []
+
+    def task() -> None:
+        start.wait()
+        got.append(cache.get("abc123"))
+
+    threads = [threading.Thread(target=task) for _ in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert storage.reads == 1
+    assert len(got) == 16 and all(g is got[0] for g in got)
+    with pytest.raises(Discard):  # a missing spec still fails each caller, and is not cached
+        cache.get("nothere")

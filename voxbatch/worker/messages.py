@@ -41,20 +41,37 @@ class SpecMissing(Discard):
 class SpecCache:
     """The last few job specs this worker read (jobs/<id>/job.json), with their segments by id.
 
-    A spec is read once per job however many of its tasks arrive; storage outages are waited out
-    (`stop` ends the wait), a missing or unreadable spec is a `Discard`.
+    A spec is read once per job however many of its tasks arrive, also when they arrive together: a
+    worker's task threads (32 at the default budget) all start on a new job at once, and each parsing
+    the whole spec (megabytes for a long book) held the engine's first batch back by the sum of those
+    parses. One thread reads; the others wait for it. Storage outages are waited out (`stop` ends the
+    wait), a missing or unreadable spec is a `Discard`.
     """
 
     def __init__(self, storage: Storage, size: int = 4):
         self.storage, self.size = storage, size
         self._specs: OrderedDict[str, tuple[JobSpec, dict[str, Segment]]] = OrderedDict()
         self._lock = threading.Lock()
+        self._reading: dict[str, threading.Lock] = {}  # job id -> held by the thread reading its spec
 
     def get(self, job_id: str, stop: threading.Event | None = None) -> tuple[JobSpec, dict[str, Segment]]:
         with self._lock:
             if job_id in self._specs:
                 self._specs.move_to_end(job_id)
                 return self._specs[job_id]
+            reading = self._reading.setdefault(job_id, threading.Lock())
+        with reading:
+            with self._lock:
+                if job_id in self._specs:  # read by the thread this one waited for
+                    self._specs.move_to_end(job_id)
+                    return self._specs[job_id]
+            try:
+                return self._read(job_id, stop)
+            finally:
+                with self._lock:
+                    self._reading.pop(job_id, None)
+
+    def _read(self, job_id: str, stop: threading.Event | None) -> tuple[JobSpec, dict[str, Segment]]:
         key = keys.job_spec(job_id)
         try:
             raw = wait_for_service(lambda: self.storage.get(key), f"job {job_id}: reading its spec", log=log,
