@@ -35,6 +35,14 @@ NO_AMBIENT_AWS = {"AWS_SHARED_CREDENTIALS_FILE": "/nonexistent", "AWS_CONFIG_FIL
                   "AWS_EC2_METADATA_DISABLED": "true"}
 
 
+def as_in_a_terminal() -> None:
+    """Child-side (Popen preexec_fn): Ctrl-C reaches the command as it does in a terminal. A child
+    inherits an ignored or blocked SIGINT from whatever ran the tests (a CI runner, an earlier test's
+    library), and then never sees the SIGINT these tests send."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def cli(env: dict[str, str], *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([*CLI, *args], env={**BASE_ENV, **NO_AMBIENT_AWS, **env}, cwd=services.REPO,
                           capture_output=True, text=True, timeout=timeout)
@@ -363,7 +371,7 @@ def test_status_watch_says_when_no_worker_is_alive(tmp_path):
                "VOXBATCH_STALLED_AFTER_S": "1", "VOXBATCH_RENDER_QUEUE": "nobody-listens"}
         job_id = cli(env, "submit", str(corpora.write_txt(tmp_path / "book.txt")), "--voice", "tone").stdout.split()[-1]
         proc = subprocess.Popen([*CLI, "status", job_id, "--watch"], env={**BASE_ENV, **env}, cwd=services.REPO,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=as_in_a_terminal)
         try:
             out, _ = proc.communicate(timeout=8)
         except subprocess.TimeoutExpired:
@@ -430,7 +438,8 @@ def test_render_interrupted_then_resumed_renders_only_the_missing_segments(tmp_p
     out = tmp_path / "out"
     args = [*CLI, "render", str(book), "--out", str(out)]
     slow = {**BASE_ENV, "VOXBATCH_TONE_RTF": "0.05", "VOXBATCH_UPLOAD_THREADS": "1"}
-    proc = subprocess.Popen(args, env=slow, cwd=services.REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(args, env=slow, cwd=services.REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=as_in_a_terminal)
 
     def segments() -> dict[Path, int]:
         return {p: p.stat().st_mtime_ns for p in out.glob("jobs/*/segments/*/*.wav")}
