@@ -995,25 +995,35 @@ class Bench:
         backend.close()
         if torch.cuda.is_available():
             out["decode_step_graphs"] = self._graph_steps(B, acts)
-        fb = max(self.args.flow_batches)
-        by_len = sorted(self.corpus, key=lambda s: s.speech_tokens)
-        chunk = by_len[len(by_len) // 2 : len(by_len) // 2 + fb]
-        toks = [[(j * 131 + k * 7) % self.speech_vocab for k in range(s.speech_tokens)] for j, s in enumerate(chunk)]
-        renderer = Renderer(self.flow, self.hift, self.prompt, self.flow_dev)
-        renderer(toks[:2], [0, 1])
-        with torch.inference_mode():
+        # Flow and HiFT as the worker's vocoder thread runs them: the shipped engine's mels() / waves().
+        from voxbatch.models import SynthesisParams
+        from voxbatch.worker.engine import SynthesisRequest
+
+        engine, _, _ = self.shipped_engine(self.args.worker_run)
+        try:
+            by_len = sorted(self.corpus, key=lambda s: s.speech_tokens)
+            chunk = by_len[len(by_len) // 2 : len(by_len) // 2 + engine.flow_batch]
+            voice = engine.item(SynthesisRequest("p", chunk[0].text, "bench", 0, SynthesisParams())).voice
+            toks = [[(j * 131 + k * 7) % self.speech_vocab for k in range(s.speech_tokens)] for j, s in enumerate(chunk)]
+            engine.waves(engine.mels(toks[:2], [voice] * 2), [1.0] * 2, [0, 1])  # warm-up
             with profile(activities=acts) as prof:
-                mel, lens = renderer.mels(toks)
+                mels = engine.mels(toks, [voice] * len(toks))
                 sync()
-            out["flow"] = self._top(prof, f"flow B={len(chunk)} (~{chunk[0].audio_s:.1f} s each)")
+            out["flow"] = self._top(prof, f"flow B={len(chunk)} (~{chunk[0].audio_s:.1f} s each), CosyVoice2Engine.mels")
             with profile(activities=acts) as prof:
-                renderer.wavs(mel, lens, list(range(len(chunk))))
+                engine.waves(mels, [1.0] * len(toks), list(range(len(toks))))
                 sync()
-            out["hift"] = self._top(prof, f"hift B={len(chunk)}")
+            out["hift"] = self._top(prof, f"hift B={len(chunk)}, CosyVoice2Engine.waves")
+        finally:
+            close = getattr(engine.llm, "close", None)
+            if close is not None:
+                close()
+            del engine
         lines = []
         for k, v in out.items():
             lines.append(f"### {k}: {v['what']}\n{v['table']}\n")
             del v["table"]
+        self.args.out.mkdir(parents=True, exist_ok=True)  # profile may be the first stage
         (self.args.out / f"{self.args.name}_profile.txt").write_text("\n".join(lines))
         return out
 
@@ -1176,7 +1186,6 @@ def main() -> None:
     ap.add_argument("--max-s", type=float, default=15.0, help="longest segment, seconds of audio")
     ap.add_argument("--llm-batches", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256])
     ap.add_argument("--llm-tokens", type=int, default=250, help="fixed output length in the batch sweep (10 s of audio)")
-    ap.add_argument("--flow-batches", type=int, nargs="+", default=[64], help="profile: the flow batch profiled is the largest")
     ap.add_argument("--worker-run", default="rows=256,flow=64,task=16",
                     help="worker stage: VOXBATCH_* settings of the worker process, as key=value (keys: %s)" % ", ".join(RUN_KEYS))
     ap.add_argument("--worker-task-sizes", type=int, nargs="+", default=[16, 64],

@@ -19,7 +19,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ["--tiny", "--device", "cpu", "--segments", "4", "--max-s", "3", "--llm-batches", "1", "2", "--llm-tokens", "4",
-         "--flow-batches", "2", "--baseline-segments", "1",
+         "--baseline-segments", "1",
          "--worker-run", "rows=4,flow=2,task=2", "--worker-task-sizes", "4", "2", "--engine-runs", "rows=4,flow=2,task=2",
          "--invariance-run", "rows=4,flow=2,task=2", "--invariance-segments", "4", "--invariance-probes", "2", "--budget-s", "3000"]
 

@@ -17,10 +17,7 @@ import torch
 def _key(w: torch.Tensor) -> tuple:
     """What a derived copy depends on: storage, shape, dtype, device and, where tracked, the in-place
     version (inference tensors have none; they are never written in place)."""
-    try:
-        version = w._version
-    except RuntimeError:
-        version = -1
+    version = -1 if w.is_inference() else w._version  # checked, not caught: this runs on every forward
     return (w.data_ptr(), version, w.device, w.dtype, tuple(w.shape))
 
 

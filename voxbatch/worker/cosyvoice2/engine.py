@@ -444,14 +444,10 @@ class CosyVoice2Engine(Engine):
 
     def vocode(self, items: list[_Item]) -> Iterator[SynthesisResult]:
         """Finished speech tokens -> audio: one flow batch, per-row speed, one HiFT batch."""
-        with torch.inference_mode():
-            audio = self._vocode([item.tokens or [] for item in items], [item.voice for item in items],
-                                 [item.request.params.speed for item in items], [item.request.seed for item in items])
+        mels = self.mels([item.tokens or [] for item in items], [item.voice for item in items])
+        audio = self.waves(mels, [item.request.params.speed for item in items], [item.request.seed for item in items])
         for item, wav in zip(items, audio):
             yield SynthesisResult(item.request, wav)
-
-    def _vocode(self, tokens: list[list[int]], voices: list[PreparedVoice], speeds: list[float], seeds: list[int]) -> list[np.ndarray]:
-        return self.waves(self.mels(tokens, voices), speeds, seeds)
 
     def mels(self, tokens: list[list[int]], voices: list[PreparedVoice]) -> list[torch.Tensor]:
         """One flow batch: B token sequences (each with its voice) -> B mels (80, T_mel_i), on the flow device."""

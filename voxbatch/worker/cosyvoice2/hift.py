@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from voxbatch.worker.cosyvoice2.derived import DerivedWeight
 from voxbatch.worker.cosyvoice2.checkpoint import ModelDirError, check_keys, empty_init, load_state_dict, read_config, section
 
 
@@ -249,12 +250,14 @@ class Snake(nn.Module):
     def __init__(self, channels: int):
         super().__init__()
         self.alpha = nn.Parameter(torch.ones(channels))
+        # (2, C) fp32: alpha and 1 / (alpha + 1e-9), made once for the kernel, not per call
+        self._kernel_args = DerivedWeight(lambda a: torch.stack([a.float(), 1.0 / (a.float() + 1e-9)]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused and x.is_cuda:
             from voxbatch.worker.cosyvoice2.snake_kernel import fused_snake
 
-            out = fused_snake(x, self.alpha)
+            out = fused_snake(x, self._kernel_args(self.alpha))
             if out is not None:
                 return out
         alpha = self.alpha[None, :, None]

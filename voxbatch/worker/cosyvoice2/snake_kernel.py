@@ -4,8 +4,8 @@ Eager PyTorch runs it as five elementwise kernels, each reading and writing the 
 activation; at 24 kHz those passes were a third of HiFT's GPU time. One kernel reads x once and
 writes once, computing in fp32 whatever the storage dtype. `sin` is libdevice's accurate sine (not
 the fast approximation, which drifts for the large arguments HiFT's activations reach), and
-1 / (alpha + 1e-9) is computed by PyTorch, so the kernel differs from the eager form only by the
-rounding of one fused multiply-add.
+1 / (alpha + 1e-9) comes from PyTorch (the caller's `alpha_inv`, made once per weight), so the kernel
+differs from the eager form only by the rounding of one fused multiply-add.
 
 `fused_snake` returns None where the kernel cannot run (no Triton, a non-contiguous input, or a
 kernel that failed to build, which is logged once), and the caller falls back to eager.
@@ -50,8 +50,9 @@ def _build():
     return triton, snake_kernel
 
 
-def fused_snake(x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor | None:
-    """x (B, C, T) on CUDA, alpha (C,) -> Snake(x), or None (use the eager form)."""
+def fused_snake(x: torch.Tensor, alpha_inv: torch.Tensor) -> torch.Tensor | None:
+    """x (B, C, T) on CUDA, alpha_inv (2, C) fp32 = [alpha, 1 / (alpha + 1e-9)] -> Snake(x), or None
+    (use the eager form)."""
     global _kernel
     if _kernel is False or not x.is_contiguous() or x.dim() != 3:
         return None
@@ -60,8 +61,7 @@ def fused_snake(x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor | None:
             _kernel = _build()
         triton, kernel = _kernel
         B, C, T = x.shape
-        a = alpha.detach().float()
-        inv = 1.0 / (a + 1e-9)
+        a, inv = alpha_inv[0], alpha_inv[1]
         out = torch.empty_like(x)
         if x.numel():
             kernel[(B * C, triton.cdiv(T, BLOCK_T))](x, inv, a, out, T, C, BLOCK=BLOCK_T)

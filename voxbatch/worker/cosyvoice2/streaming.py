@@ -97,13 +97,10 @@ class _Feed:
             s.vocoder.wait_not_backlogged(s.stop)
         if s.vocoder.backlogged():
             return []  # flow/HiFT (or storage behind them) is behind: let it catch up
-        if wait and not s.intake.qsize():
-            try:  # block briefly for the first request, then put it back to be chosen with the rest
-                first = s.intake.get(timeout=POLL_S)
-            except queue.Empty:
-                return []
-            with s.intake.mutex:
-                s.intake.queue.appendleft(first)
+        if wait:  # block briefly until something arrives; `_pick` chooses among what is there
+            with s.intake.not_empty:
+                if not s.intake.not_empty.wait_for(lambda: len(s.intake.queue), timeout=POLL_S):
+                    return []
         batch = self._pick(n)
         got = self._admit(batch) if batch else []
         if self.closed and not got:
@@ -234,18 +231,28 @@ class _Vocoder:
                         self.since[key] = now
                     return batch, started
                 if self.buckets:
-                    starved = self.draining or self.closing or self.s.llm_rows() < self.flow_batch
-                    old = [k for k, t in self.since.items() if now - t >= FLUSH_AFTER_S]
-                    # The vocoder is idle here: a bucket a quarter full runs now rather than leaving
-                    # flow/HiFT's stream empty while it fills (the start of the work, gaps later).
-                    ready = [k for k, rows in self.buckets.items()
-                             if IDLE_BATCH_DIV and len(rows) >= max(1, self.flow_batch // IDLE_BATCH_DIV)]
-                    if starved or old or ready:
-                        key = max(old) if old and not starved else max(ready, key=lambda k: len(self.buckets[k])) if ready and not starved else max(self.buckets)
+                    key = self._partial(now)
+                    if key is not None:
                         return self.buckets.pop(key), self.since.pop(key)
                 elif self.closing:
                     return None
                 self.cv.wait(timeout=0.02 if self.buckets else 0.2)
+
+    def _partial(self, now: float) -> int | None:
+        """The bucket to run before it is full (the vocoder is idle here), or None to wait: the longest
+        when the LLM has too little left to fill a bucket; else the longest of those whose oldest row
+        waited FLUSH_AFTER_S; else the fullest holding flow_batch / IDLE_BATCH_DIV rows, rather than
+        leaving flow/HiFT's stream empty while it fills (the start of the work, gaps later)."""
+        if self.draining or self.closing or self.s.llm_rows() < self.flow_batch:
+            return max(self.buckets)
+        old = [k for k, t in self.since.items() if now - t >= FLUSH_AFTER_S]
+        if old:
+            return max(old)
+        if IDLE_BATCH_DIV:
+            fullest = max(self.buckets, key=lambda k: len(self.buckets[k]))
+            if len(self.buckets[fullest]) >= max(1, self.flow_batch // IDLE_BATCH_DIV):
+                return fullest
+        return None
 
     def _loop(self) -> None:
         engine = self.s.engine
