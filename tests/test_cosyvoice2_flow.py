@@ -7,19 +7,26 @@ code on CPU, fp32, 1 thread). Tolerances (max abs difference):
   - encoder output mu: 1e-5 (measured ~1.5e-6; our rel-pos shift and masks use other op shapes);
   - mels after 10 Euler steps with CFG: 1e-4, the fixture README's suggestion (measured ~2e-6;
     the official code itself moves by 1.7e-6 between 1 and 2 threads);
-  - batched vs one-at-a-time: 1e-5 (padding changes only matmul shapes, never what a row sees).
+  - batched vs one-at-a-time: 1e-5 (padding changes only matmul shapes, never what a row sees);
+  - flash varlen attention (CUDA fp16, `VARLEN_ATTENTION`): as close to the fp32 estimator as the
+    masked SDPA is, and each row within 5e-3 of the output's scale of itself rendered alone.
 """
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from voxbatch.worker.cosyvoice2 import flash_varlen, flow_estimator
 from voxbatch.worker.cosyvoice2.checkpoint import ModelDirError
+from voxbatch.worker.cosyvoice2.flash_varlen import PaddedRows, padded_attention
 from voxbatch.worker.cosyvoice2.flow import CausalFlow, fixed_noise
+from voxbatch.worker.cosyvoice2.flow_encoder import length_mask
+from voxbatch.worker.cosyvoice2.flow_estimator import CausalConditionalDecoder, EstimatorDims
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -217,3 +224,163 @@ def test_reduced_precision_on_gpu(
             _t(feat[None]), torch.tensor([len(feat)]), _t(e[None]),
         )  # fmt: skip
         assert float((mel - single).abs().max()) <= max_tol
+
+
+# -- Flash varlen attention in the estimator (flow_estimator.VARLEN_ATTENTION) ---------------------
+
+VARLEN_LENS = [300, 257, 130, 61, 7]  # mel frames per row: across flash's 64/128-key blocks, and one very short row
+FULL_ESTIMATOR = EstimatorDims(320, 80, 256, 64, 8, 4, 12, 50, -1)  # CosyVoice2-0.5B's (bench/cosyvoice2_full.yaml)
+ALONE_TOL = 5e-3  # of the output's scale: row alone vs in the batch (fp16 rounding of other kernel shapes)
+
+
+def _estimator_inputs(lens: list[int], seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """x, mask, mu, t, spks, cond for rows of these lengths padded to the longest (fp32, CPU). The
+    padding frames hold noise: nothing may read them."""
+    g = torch.Generator().manual_seed(seed)
+    B, T = len(lens), max(lens)
+    x, mu, cond = (torch.randn(B, 80, T, generator=g) for _ in range(3))
+    mask = length_mask(torch.tensor(lens), T)[:, None].float()  # (B, 1, T)
+    return x, mask, mu, torch.rand(B, generator=g), torch.randn(B, 80, generator=g), cond
+
+
+def _alone(inputs: tuple[torch.Tensor, ...], i: int, n: int) -> tuple[torch.Tensor, ...]:
+    """Row i of `_estimator_inputs` as a batch of one, cut to its n frames."""
+    x, mask, mu, t, spks, cond = inputs
+    return x[i : i + 1, :, :n], mask[i : i + 1, :, :n], mu[i : i + 1, :, :n], t[i : i + 1], spks[i : i + 1], cond[i : i + 1, :, :n]
+
+
+def _estimate(est: CausalConditionalDecoder, inputs: tuple[torch.Tensor, ...], varlen: bool, monkeypatch) -> torch.Tensor:
+    """One non-streaming estimator call on the estimator's device -> (B, 80, T) fp32. With `varlen`,
+    SDPA raises: the output is the flash path's (a silent fallback would compare SDPA with itself)."""
+
+    def sdpa_called(*args, **kwargs):
+        raise AssertionError("masked SDPA ran with VARLEN_ATTENTION on (flash unavailable? see the log)")
+
+    device = est.final_proj.weight.device
+    with monkeypatch.context() as m, torch.inference_mode():
+        m.setattr(flow_estimator, "VARLEN_ATTENTION", varlen)
+        if varlen:
+            m.setattr(torch.nn.functional, "scaled_dot_product_attention", sdpa_called)
+        return est(*(a.to(device) for a in inputs)).float()
+
+
+def test_varlen_flag_leaves_cpu_bit_identical(flow: CausalFlow, monkeypatch) -> None:
+    """On CPU (fp32) the flash path never runs: the estimator's output is bit-identical with the flag
+    on and off, padded rows of different lengths included."""
+    inputs = _estimator_inputs([40, 33, 7])
+    est = flow.decoder.estimator
+    with torch.inference_mode():
+        outs = []
+        for flag in (True, False):
+            monkeypatch.setattr(flow_estimator, "VARLEN_ATTENTION", flag)
+            outs.append(est(*inputs))
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_padded_rows_and_cpu_gate() -> None:
+    """Row starts are b * T' (int32, as flash reads them); on CPU, fp32 or fp16, `padded_attention`
+    declines (None: the caller uses SDPA)."""
+    rows = PaddedRows.of(torch.tensor([5, 3, 1]), 7)
+    assert rows.cu_seq.dtype == rows.lens.dtype == torch.int32
+    assert rows.cu_seq.tolist() == [0, 7, 14, 21] and rows.lens.tolist() == [5, 3, 1] and rows.frames == 7
+    for dtype in (torch.float32, torch.float16):
+        assert padded_attention(torch.zeros(3, 7, 3, 2, 8, dtype=dtype), rows) is None
+
+
+@pytest.mark.parametrize("make", [flash_varlen._public, flash_varlen._aten], ids=["varlen_attn", "aten"])
+def test_flash_calls_bind_on_meta(make) -> None:
+    """Both flash calls (the public one where this torch's takes `seqused_k`, the aten op it wraps)
+    accept our arguments, strided q/k/v views of one qkv tensor, and give (B*T', H, D): meta tensors
+    run the ops' shape functions, no GPU needed."""
+    call = make()
+    if call is None:
+        pytest.skip("this torch's varlen_attn has no seqused_k")
+    B, T, H, D = 3, 7, 2, 8
+    qkv = torch.empty(B * T, 3, H, D, device="meta", dtype=torch.float16)
+    rows = PaddedRows.of(torch.empty(B, device="meta", dtype=torch.int64), T)
+    out = call(qkv[:, 0], qkv[:, 1], qkv[:, 2], rows.cu_seq, T, rows.lens)
+    assert out.shape == (B * T, H, D)
+
+
+def _varlen_in_sdpa(q, k, v, cu_seq, T, lens):
+    """What the flash varlen call computes, as SDPA row by row: row b's T' queries over its first
+    lens[b] keys. q, k, v (B*T', H, D) -> (B*T', H, D)."""
+    out = torch.empty(q.shape, dtype=q.dtype)
+    for b in range(lens.size(0)):
+        start, n = int(cu_seq[b]), int(lens[b])
+        qs, ks, vs = (a.transpose(0, 1) for a in (q[start : start + T], k[start : start + n], v[start : start + n]))
+        out[start : start + T] = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs).transpose(0, 1)
+    return out
+
+
+def test_varlen_plumbing_with_emulated_flash(flow: CausalFlow, monkeypatch) -> None:
+    """The estimator's varlen path (q/k/v views, row starts, key counts, the output's layout), with the
+    flash call replaced by its SDPA emulation on CPU fp32, gives the masked-SDPA output within 1e-5."""
+    calls = []
+
+    def emulated(*args):
+        calls.append(1)
+        return _varlen_in_sdpa(*args)
+
+    inputs = _estimator_inputs([40, 33, 7])
+    est = flow.decoder.estimator
+    with torch.inference_mode():
+        monkeypatch.setattr(flow_estimator, "VARLEN_ATTENTION", False)
+        sdpa = est(*inputs)
+        monkeypatch.setattr(flow_estimator, "VARLEN_ATTENTION", True)
+        monkeypatch.setattr(flash_varlen, "_DEVICES", ("cpu",))
+        monkeypatch.setattr(flash_varlen, "_DTYPES", (torch.float32,))
+        monkeypatch.setattr(flash_varlen, "_flash", emulated)
+        varlen = est(*inputs)
+    assert calls, "the varlen path did not run"
+    valid = inputs[1].bool().expand(-1, 80, -1)
+    assert float((varlen - sdpa)[valid].abs().max()) <= TIGHT_TOL
+
+
+@pytest.fixture(params=["fixture", "full"])
+def gpu_estimators(request) -> tuple[CausalConditionalDecoder, CausalConditionalDecoder]:
+    """(fp32, fp16) copies of one estimator on CUDA: the tiny fixture's trained one (4 heads x 32), or
+    CosyVoice2-0.5B's shape (8 heads x 64, 56 transformer blocks) with seeded random weights."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    if request.param == "fixture":
+        est = CausalFlow.from_model_dir(request.getfixturevalue("model_dir"), "cpu", torch.float32).decoder.estimator
+    else:
+        torch.manual_seed(0)
+        est = CausalConditionalDecoder(FULL_ESTIMATOR).eval()
+    return copy.deepcopy(est).to("cuda"), copy.deepcopy(est).to("cuda", torch.float16)
+
+
+@pytest.mark.gpu
+def test_varlen_attention_matches_sdpa_on_gpu(gpu_estimators, monkeypatch) -> None:
+    """fp16, rows of different lengths, valid frames only: the flash varlen estimator is as close to
+    the fp32 estimator as masked SDPA's: max abs error <= 2x SDPA's + 1e-3 of the output's scale, mean
+    <= 1.5x SDPA's + 1e-4 of it."""
+    est32, est16 = gpu_estimators
+    monkeypatch.setattr(flash_varlen, "_flash", None)  # resolve afresh: a failure shows in this test's log
+    inputs = _estimator_inputs(VARLEN_LENS)
+    valid = inputs[1].bool().expand(-1, 80, -1).cuda()  # (B, 80, T)
+    ref = _estimate(est32, inputs, False, monkeypatch)[valid]
+    sdpa = _estimate(est16, inputs, False, monkeypatch)[valid]
+    flash = _estimate(est16, inputs, True, monkeypatch)[valid]
+    assert torch.isfinite(flash).all()
+    scale = float(ref.abs().max())
+    err_sdpa, err_flash = (sdpa - ref).abs(), (flash - ref).abs()
+    facts = f"scale {scale:.3g}; max err SDPA {float(err_sdpa.max()):.3g}, flash {float(err_flash.max()):.3g}; mean err SDPA {float(err_sdpa.mean()):.3g}, flash {float(err_flash.mean()):.3g}"
+    assert float(err_flash.max()) <= 2 * float(err_sdpa.max()) + 1e-3 * scale, facts
+    assert float(err_flash.mean()) <= 1.5 * float(err_sdpa.mean()) + 1e-4 * scale, facts
+
+
+@pytest.mark.gpu
+def test_varlen_rows_independent_of_batch_on_gpu(gpu_estimators, monkeypatch) -> None:
+    """fp16 with flash varlen: each row rendered alone equals that row inside the padded batch (whose
+    other rows are longer and shorter) within ALONE_TOL of the output's scale, max abs on its frames."""
+    _, est16 = gpu_estimators
+    monkeypatch.setattr(flash_varlen, "_flash", None)
+    inputs = _estimator_inputs(VARLEN_LENS, seed=1)
+    batch = _estimate(est16, inputs, True, monkeypatch)
+    scale = float(max(batch[i, :, :n].abs().max() for i, n in enumerate(VARLEN_LENS)))
+    for i, n in enumerate(VARLEN_LENS):
+        alone = _estimate(est16, _alone(inputs, i, n), True, monkeypatch)[0]
+        diff = float((batch[i, :, :n] - alone).abs().max())
+        assert diff <= ALONE_TOL * scale, (n, diff, scale)

@@ -10,7 +10,9 @@ causal block and a 1x1 projection to 80 mel channels.
 
 Every conv is causal (left padding only) and its input is zeroed outside the mask, and attention
 masks padding keys, so a padded row yields exactly what the unpadded row would. Streaming uses a
-static chunk mask (`static_chunk_size` frames) in every attention.
+static chunk mask (`static_chunk_size` frames) in every attention. Without it the mask only limits
+each row's keys to its length, which FlashAttention's varlen call takes as per-row key counts on
+CUDA (`VARLEN_ATTENTION`, flash_varlen.py).
 
 Inside, activations are time-major (B, T, C) from input to output: the transformer blocks, the
 LayerNorms and the convs (as matmuls, `CausalConv1d`) all read contiguous rows, with no transposes
@@ -32,10 +34,16 @@ from torch import nn
 
 from voxbatch.worker.cosyvoice2.checkpoint import ModelDirError
 from voxbatch.worker.cosyvoice2.derived import DerivedWeight, stacked
+from voxbatch.worker.cosyvoice2.flash_varlen import PaddedRows, padded_attention
 from voxbatch.worker.cosyvoice2.flow_encoder import attention_mask
 
 
 CONV_TAIL = 2  # zero frames appended to every row: at least kernel_size - 1 of the k=3 causal convs
+
+# Non-streaming attention on CUDA in fp16/bf16 as one FlashAttention varlen call with per-row key
+# counts (flash_varlen.py) instead of SDPA with a boolean mask; False keeps SDPA (the benchmark's
+# A/B, `varlen=0`). Read at every call.
+VARLEN_ATTENTION = True
 
 
 @dataclass(frozen=True)
@@ -156,7 +164,24 @@ class CausalResnetBlock1D(nn.Module):
 # Transformer block (all tensors (B, T, C))
 
 
+@dataclass(frozen=True)
+class AttentionMask:
+    """The keys each query may attend to, in the two forms the attention paths read."""
+
+    dense: torch.Tensor  # (B, T'|1, T') bool: SDPA's mask, (B, 1, T') without chunks
+    rows: PaddedRows | None  # without chunks: the same mask as key counts per row (flash varlen)
+
+
 class SelfAttention(nn.Module):
+    """Multi-head self-attention over (B, T', C) rows.
+
+    Non-streaming, the mask is a pure key-padding mask, and on CUDA in fp16/bf16 the attention is one
+    FlashAttention varlen call over the padded rows, each limited to its own keys (`padded_attention`:
+    no mask tensor, no padded key blocks, no gather or host sync; padding frames' queries still run,
+    with the output SDPA gives them, which nothing reads). Elsewhere, or where flash fails (logged
+    once), SDPA with the boolean mask, unchanged.
+    """
+
     def __init__(self, d: int, heads: int, head_dim: int):
         super().__init__()
         self.heads, self.head_dim = heads, head_dim
@@ -167,12 +192,15 @@ class SelfAttention(nn.Module):
         self.to_out = nn.ModuleList([nn.Linear(inner, d)])
         self._qkv = stacked()  # to_q, to_k, to_v as one (3 inner, d) matrix: one matmul instead of three
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
+        """x (B, T', C) -> (B, T', C)."""
         B, T, _ = x.shape
         qkv = F.linear(x, self._qkv(self.to_q.weight, self.to_k.weight, self.to_v.weight)).view(B, T, 3, self.heads, self.head_dim)
-        q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))  # (B, H, T, d_h) each
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])  # mask (B, 1, T|1, T)
-        return self.to_out[0](out.transpose(1, 2).reshape(B, T, self.heads * self.head_dim))
+        out = padded_attention(qkv, mask.rows) if VARLEN_ATTENTION and mask.rows is not None else None  # (B, T, H, d_h)
+        if out is None:
+            q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))  # (B, H, T, d_h) each
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense[:, None]).transpose(1, 2)  # mask (B, 1, T|1, T)
+        return self.to_out[0](out.reshape(B, T, self.heads * self.head_dim))
 
 
 class _GeluProj(nn.Module):
@@ -202,7 +230,7 @@ class TransformerBlock(nn.Module):
         self.norm3 = nn.LayerNorm(d)
         self.ff = FeedForward(d)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
         x = x + self.attn1(self.norm1(x), mask)
         return x + self.ff(self.norm3(x))
 
@@ -252,14 +280,17 @@ class CausalConditionalDecoder(nn.Module):
         dtype = self.final_proj.weight.dtype
         t_emb = self.time_mlp(timestep_sinusoids(t, self.dims.in_channels).to(dtype))  # (B, 4c)
         T = x.size(2)
-        lens = mask[:, 0].sum(dim=1).long()  # (B,)
+        lens = mask[:, 0].sum(dim=1, dtype=torch.int64)  # (B,), counted exactly (a bf16 sum rounds past 256, fp16 past 2048)
         # Time-major from here: (B, T', C) with T' = T + 2 frames of zeros at the end of every row, so
         # the causal convs can run over the flattened rows (CausalConv1d).
         h = torch.cat([x, mu, spks[:, :, None].expand(-1, -1, T), cond], dim=1).to(dtype)  # (B, 320, T)
         h = F.pad(h.transpose(1, 2), (0, 0, 0, CONV_TAIL))  # (B, T', 320)
         m = F.pad(mask.to(dtype).transpose(1, 2), (0, 0, 0, CONV_TAIL))  # (B, T', 1)
         chunk = self.dims.static_chunk_size if streaming else 0
-        attn_mask = attention_mask(lens, T + CONV_TAIL, chunk, self.dims.num_decoding_left_chunks)  # (B, T'|1, T')
+        attn_mask = AttentionMask(
+            attention_mask(lens, T + CONV_TAIL, chunk, self.dims.num_decoding_left_chunks),  # (B, T'|1, T')
+            PaddedRows.of(lens, T + CONV_TAIL) if chunk == 0 else None,
+        )
 
         def transformers(h: torch.Tensor, layers: nn.ModuleList) -> torch.Tensor:
             for layer in layers:
