@@ -311,6 +311,7 @@ SWITCHES = {
     "octave": ("voxbatch.worker.cosyvoice2.streaming", "BUCKETS_PER_OCTAVE", int),
     "fused_llm": ("voxbatch.worker.cosyvoice2.llm", "FUSED_KERNELS", lambda v: v in ("1", "true")),
     "fused_norm": ("voxbatch.worker.cosyvoice2.flow_estimator", "FUSED_NORM", lambda v: v in ("1", "true")),
+    "lag": ("voxbatch.worker.cosyvoice2.torch_backend", "LOOK_LAG", int),
 }
 
 
