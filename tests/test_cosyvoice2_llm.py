@@ -249,6 +249,19 @@ def test_continuous_batching_refills_freed_rows(tiny_model_dir, backend, ref, se
     assert [got[i] for i in range(6)] == [next(iter(backend.generate([q]))).tokens for q in reqs]
 
 
+@pytest.mark.parametrize("look_lag", [3, 7])
+def test_lagged_looks_change_no_tokens(tiny_model_dir, backend, ref, seq_max, look_lag):
+    """Looks read `look_lag` steps after they are taken (as on CUDA): rows still stop, free and refill,
+    and every request gets the tokens it gets decoded alone."""
+    lagged = TorchLlmBackend(CosyVoice2LM.from_model_dir(tiny_model_dir), max_batch=2, max_seq=seq_max, sync_every=4,
+                             look_lag=look_lag)
+    reqs = _mixed_requests(ref, greedy=False) + _mixed_requests(ref, greedy=True)
+    reqs = [LlmRequest(**{**q.__dict__, "seed": 70 + i}) for i, q in enumerate(reqs)]
+    got = {r.index: r.tokens for r in lagged.generate(reqs)}
+    assert sorted(got) == list(range(6))
+    assert [got[i] for i in range(6)] == [next(iter(backend.generate([q]))).tokens for q in reqs]
+
+
 def test_ras_seed_changes_tokens_and_order_does_not(backend, ref):
     reqs = _mixed_requests(ref, greedy=False)
     first = {r.index: r.tokens for r in backend.generate(reqs)}

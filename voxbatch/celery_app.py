@@ -19,6 +19,9 @@ the segments in flight, then hands every unfinished task back to the queue and e
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
 from celery import Celery
 
 from voxbatch.models import RenderTask
@@ -73,9 +76,19 @@ def configure_celery(settings: Settings) -> Celery:
     return app
 
 
-def send_render(task: RenderTask, queue: str | None = None) -> str:
+def send_render(task: RenderTask, queue: str | None = None, producer=None) -> str:
     """Send one render task; returns its Celery task id (what the worker's log lines name)."""
-    return app.send_task(RENDER_TASK, args=[task.model_dump(mode="json")], queue=queue).id
+    return app.send_task(RENDER_TASK, args=[task.model_dump(mode="json")], queue=queue, producer=producer).id
+
+
+@contextmanager
+def render_sender(queue: str | None = None) -> Iterator[Callable[[RenderTask], str]]:
+    """`send(task)` over one producer connected up front. The broker pool's first acquire is most
+    of a quarter second; a job's tasks are sent right after it is registered, so that wait comes
+    before the job exists rather than between its registration and its first task."""
+    with app.producer_or_acquire() as producer:
+        producer.connection.ensure_connection(max_retries=1)
+        yield lambda task: send_render(task, queue, producer)
 
 
 def send_assemble(job_id: str, queue: str | None = None) -> None:

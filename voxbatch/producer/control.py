@@ -156,7 +156,7 @@ def retry_job(jobs: RedisJobStore, storage: Storage, settings: Settings, job_id:
     workers record what is already stored without rendering it, and render only what is missing.
     """
     from voxbatch.producer.submit import load_spec, render_tasks
-    from voxbatch.celery_app import configure_celery, send_assemble, send_render
+    from voxbatch.celery_app import configure_celery, render_sender, send_assemble
 
     spec = load_spec(storage, job_id)  # SubmitError when storage has no job.json either
     configure_celery(settings)
@@ -169,6 +169,7 @@ def retry_job(jobs: RedisJobStore, storage: Storage, settings: Settings, job_id:
             send_assemble(job_id, settings.assemble_queue)
         return 0
     jobs.reopen(job_id, [s.id for s in todo])
-    for task in render_tasks(spec, settings.batch_size, todo):
-        send_render(task, queue or settings.render_queue)
+    with render_sender(queue or settings.render_queue) as send:
+        for task in render_tasks(spec, settings.batch_size, todo):
+            send(task)
     return len(todo)

@@ -220,27 +220,30 @@ def submit_job(spec: JobSpec, settings: Settings, storage: Storage, queue: str |
 
     Redis must answer before the spec is stored; if anything fails once it is stored, the spec and
     the job state are removed again (best effort: the service that failed may be the one to clean)."""
-    from voxbatch.celery_app import configure_celery, send_render
+    from voxbatch.celery_app import configure_celery, render_sender
     from voxbatch.jobstate import RedisJobStore
 
-    data = spec_bytes(spec, settings)
+    spec_bytes(spec, settings)
     storage.check()
     check_voices(storage, spec)
     jobs = RedisJobStore.from_url(settings.broker_url)
     jobs.r.ping()
     configure_celery(settings)
-    store_spec(storage, spec, data)
-    try:
-        jobs.create(spec.id, spec.name, spec.voice, spec.format, len(spec.segments), spec.created_at)
-        sent = 0
-        for task in render_tasks(spec, settings.batch_size):
-            send_render(task, queue or settings.render_queue)
-            sent += len(task.segments)
-            if progress is not None:
-                progress("enqueue", sent, len(spec.segments))
-    except BaseException:
-        _undo_submit(jobs, storage, spec.id)
-        raise
+    with render_sender(queue or settings.render_queue) as send:
+        # The job's clock starts when it is registered, ready to send, not when its corpus was read.
+        spec = spec.model_copy(update={"created_at": time.time()})
+        store_spec(storage, spec, spec_bytes(spec, settings))
+        try:
+            jobs.create(spec.id, spec.name, spec.voice, spec.format, len(spec.segments), spec.created_at)
+            sent = 0
+            for task in render_tasks(spec, settings.batch_size):
+                send(task)
+                sent += len(task.segments)
+                if progress is not None:
+                    progress("enqueue", sent, len(spec.segments))
+        except BaseException:
+            _undo_submit(jobs, storage, spec.id)
+            raise
     return spec.id
 
 

@@ -17,6 +17,8 @@ CUDA (`VARLEN_ATTENTION`, flash_varlen.py).
 Inside, activations are time-major (B, T, C) from input to output: the transformer blocks, the
 LayerNorms and the convs (as matmuls, `CausalConv1d`) all read contiguous rows, with no transposes
 between blocks; the (B, C, T) interface of the official decoder is kept at the boundary.
+On CUDA each LayerNorm is one Triton kernel (`norm_kernel`), the Mish and mask that follow it in
+the causal blocks fused in (`FUSED_NORM`).
 
 Module and parameter names mirror the official ones (Matcha-TTS blocks) so `flow.pt` loads
 unchanged; parameter-free slots of the official `nn.Sequential`s are `nn.Identity` placeholders.
@@ -36,9 +38,16 @@ from voxbatch.worker.cosyvoice2.checkpoint import ModelDirError
 from voxbatch.worker.cosyvoice2.derived import DerivedWeight, stacked
 from voxbatch.worker.cosyvoice2.flash_varlen import PaddedRows, padded_attention
 from voxbatch.worker.cosyvoice2.flow_encoder import attention_mask
+from voxbatch.worker.cosyvoice2.norm_kernel import fused_layer_norm
 
 
 CONV_TAIL = 2  # zero frames appended to every row: at least kernel_size - 1 of the k=3 causal convs
+
+# The LayerNorms (and CausalBlock1D's LayerNorm -> Mish -> mask) as one Triton kernel on CUDA
+# (`norm_kernel`): PyTorch's LayerNorm was 17.5% of the flow's GPU time on the H200
+# (bench/results/gpu_h200_engine_profile.txt). Read at forward time; False keeps the eager form
+# (as CPU does), the benchmark's A/B.
+FUSED_NORM = True
 
 # Non-streaming attention on CUDA in fp16/bf16 as one FlashAttention varlen call with per-row key
 # counts (flash_varlen.py) instead of SDPA with a boolean mask; False keeps SDPA (the benchmark's
@@ -78,6 +87,20 @@ class EstimatorDims:
             static_chunk_size=int(estimator_cfg.get("static_chunk_size", 0)),
             num_decoding_left_chunks=int(estimator_cfg.get("num_decoding_left_chunks", -1)),
         )
+
+
+# ---------------------------------------------------------------------------------------------
+# LayerNorm, fused on CUDA
+
+
+def layer_norm(norm: nn.LayerNorm, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """norm(x) over the last dim of x (B, T, C); with mask (B, T, 1), mish(norm(x)) * mask."""
+    if FUSED_NORM:  # None on CPU, and wherever else the kernel cannot run
+        out = fused_layer_norm(x, norm.weight, norm.bias, norm.eps, mask)
+        if out is not None:
+            return out
+    y = norm(x)
+    return y if mask is None else F.mish(y) * mask
 
 
 # ---------------------------------------------------------------------------------------------
@@ -142,7 +165,7 @@ class CausalBlock1D(nn.Module):
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """x (B, T, C_in), mask (B, T, 1) -> (B, T, C_out)."""
-        return F.mish(self.block[2](self.block[0](x * mask))) * mask
+        return layer_norm(self.block[2], self.block[0](x * mask), mask)
 
 
 class CausalResnetBlock1D(nn.Module):
@@ -231,8 +254,8 @@ class TransformerBlock(nn.Module):
         self.ff = FeedForward(d)
 
     def forward(self, x: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
-        x = x + self.attn1(self.norm1(x), mask)
-        return x + self.ff(self.norm3(x))
+        x = x + self.attn1(layer_norm(self.norm1, x), mask)
+        return x + self.ff(layer_norm(self.norm3, x))
 
 
 # ---------------------------------------------------------------------------------------------

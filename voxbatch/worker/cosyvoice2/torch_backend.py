@@ -14,13 +14,22 @@ batched calls. `stream` takes that work from a feed (the engine's intake) instea
 rows refill across task boundaries and the row count grows while more work waits. Rows that stop between looks keep decoding into their own cache row: wasted work, but
 no host sync per step; their extra tokens are never read.
 
+A look never drains the GPU: at a look's step the rows' `alive`/`n_out` are copied into pinned host
+memory behind an event, and the host reads them `look_lag` steps later, while those steps are still
+queued. The stopped rows' tokens (which no later step changes) come over on a side stream that does not
+wait for the queued steps, and the refill's prefill is queued behind them. So the host's bookkeeping,
+the intake's admission and the prefill's launches overlap decoding instead of leaving the LLM's stream
+empty at every look, as a `.tolist()` of the live state did.
+
 The KV cache belongs to the model, so one backend runs one `generate` at a time (the engine's
 scheduler thread).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,6 +39,13 @@ from voxbatch.worker.cosyvoice2.llm_backend import Feed, ListFeed, LlmBackend, L
 from voxbatch.worker.cosyvoice2.sampling import BatchSampler, RasConfig
 
 MAX_SEQ = 4096  # positions of the KV cache: prompt + max_tokens of a request must fit
+# Decode steps queued past a look before the host reads it (module docstring): at 256 rows on an H200,
+# 8 steps are ~27 ms of GPU work for the host's bookkeeping, admission and prefill launches to hide in.
+LOOK_LAG = 8
+
+
+def device_is_cuda(model: CosyVoice2LM) -> bool:
+    return model.llm_decoder.weight.device.type == "cuda"
 
 
 def _bucket(n: int, cap: int) -> int:
@@ -72,6 +88,7 @@ class _Rows:
         self.n_out = torch.zeros(rows, dtype=torch.long, device=dev)
         self.alive = torch.zeros(rows, dtype=torch.bool, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.side = torch.cuda.Stream(dev) if dev.type == "cuda" else None  # copies that skip the queued steps
 
     def step(self, kv_len: int) -> None:
         """One token for every row, in place (the body of each graph)."""
@@ -143,15 +160,52 @@ class _Rows:
             getattr(self.sampler, name)[:n].copy_(getattr(smaller.sampler, name))
 
     @torch.inference_mode()
-    def collect(self, slots: list[int]) -> dict[int, list[int]]:
-        """One host sync: which of `slots` have stopped, with their tokens."""
-        alive, n_out = self.alive.tolist(), self.n_out.tolist()
+    def snapshot(self, step: int) -> "_Look":
+        """Queue a copy of the rows' alive/n_out as of now (after every step queued so far)."""
+        pinned = self.side is not None
+        alive = torch.empty(self.rows, dtype=torch.bool, pin_memory=pinned)
+        n_out = torch.empty(self.rows, dtype=torch.long, pin_memory=pinned)
+        alive.copy_(self.alive, non_blocking=pinned)
+        n_out.copy_(self.n_out, non_blocking=pinned)
+        done = None
+        if pinned:
+            done = torch.cuda.Event()
+            done.record()
+        return _Look(self, step, alive, n_out, done)
+
+    @torch.inference_mode()
+    def collect(self, look: "_Look", slots: list[int]) -> dict[int, list[int]]:
+        """Which of `slots` had stopped at `look` (taken of this state), with their tokens. Waits for the look's step only,
+        not for the steps queued after it: a stopped row's first n_out tokens never change again."""
+        if look.done is not None:
+            look.done.synchronize()
+        alive, n_out = look.alive.tolist(), look.n_out.tolist()
         stopped = [b for b in slots if not alive[b]]
         if not stopped:
             return {}
         longest = max(n_out[b] for b in stopped)
-        tokens = self.tokens[stopped, :longest].tolist()
+        if self.side is None:
+            tokens = self.tokens[stopped, :longest].tolist()
+        else:
+            with torch.cuda.stream(self.side):  # not ordered after the queued steps (see the docstring)
+                rows = torch.tensor(stopped, device=self.tokens.device)
+                host = torch.empty((len(stopped), longest), dtype=torch.long, pin_memory=True)
+                host.copy_(self.tokens[rows, :longest], non_blocking=True)
+            self.side.synchronize()
+            tokens = host.tolist()
         return {b: toks[: n_out[b]] for b, toks in zip(stopped, tokens)}
+
+
+@dataclass
+class _Look:
+    """The rows' alive/n_out at host step `step`, on the host once `done` has passed (None: already).
+    `state` is the one it was taken of: after a grow (`absorb`) its tokens still hold what it decoded."""
+
+    state: _Rows
+    step: int
+    alive: torch.Tensor
+    n_out: torch.Tensor
+    done: torch.cuda.Event | None
 
 
 class TorchLlmBackend(LlmBackend):
@@ -166,6 +220,7 @@ class TorchLlmBackend(LlmBackend):
         max_seq: int = MAX_SEQ,  # positions of the KV cache: prompt + max_tokens must fit
         cuda_graphs: bool | None = None,  # capture the step as CUDA graphs (default: on CUDA)
         sync_every: int = 16,  # steps between host looks for finished rows
+        look_lag: int | None = None,  # steps queued past a look before the host reads it (default: on CUDA, LOOK_LAG)
         bucket_batches: bool | None = None,  # round the row count up to a power of two (default: with graphs)
         window: int = 10,  # largest RAS win_size a request may use
         kv_block: int = 128,  # attention-width granularity (one graph per multiple)
@@ -173,6 +228,7 @@ class TorchLlmBackend(LlmBackend):
     ):
         self.model = model
         self.max_batch, self.max_seq, self.sync_every = max_batch, max_seq, sync_every
+        self.look_lag = (LOOK_LAG if device_is_cuda(model) else 0) if look_lag is None else look_lag
         self.window, self.refill_div = window, refill_div
         device = model.llm_decoder.weight.device
         self.cuda_graphs = device.type == "cuda" if cuda_graphs is None else cuda_graphs
@@ -253,7 +309,9 @@ class TorchLlmBackend(LlmBackend):
         state = self._state(self._rows_for(len(first)))
         owner: dict[int, object] = {}  # row -> key of the request decoding in it
         offset: dict[int, int] = {}  # row -> prompt_len - step at prefill: its newest position is offset + s
+        placed: dict[int, int] = {}  # row -> host step of its prefill (a look taken before it knows nothing of it)
         ends: set[int] = set()  # steps at which some row reaches max_tokens
+        looks: deque[_Look] = deque()  # taken, not yet read (read look_lag steps later)
         s = 0
 
         def place(batch: list[tuple[object, LlmRequest]]) -> None:
@@ -264,6 +322,7 @@ class TorchLlmBackend(LlmBackend):
             for b, (key, r) in zip(slots, batch):
                 owner[b] = key
                 offset[b] = len(r.text_tokens) + len(r.prompt_speech_tokens) + 2 - s
+                placed[b] = s
                 ends.add(s + r.max_tokens)
 
         place(first)
@@ -271,11 +330,15 @@ class TorchLlmBackend(LlmBackend):
         while owner:
             state.run(min(max(offset.values()) + s + 1, self.max_seq))
             s += 1
-            if s % self.sync_every != 0 and s not in ends:
+            if s % self.sync_every == 0 or s in ends:
+                ends.discard(s)
+                looks.append(state.snapshot(s))
+            # Read the oldest look once look_lag more steps are queued behind it (module docstring).
+            if not looks or s < looks[0].step + self.look_lag:
                 continue
-            ends.discard(s)
-            for b, tokens in state.collect(sorted(owner)).items():
-                del offset[b]
+            look = looks.popleft()
+            for b, tokens in look.state.collect(look, sorted(b for b in owner if placed[b] < look.step)).items():
+                del offset[b], placed[b]
                 yield owner.pop(b), tokens
             if closed:
                 continue
