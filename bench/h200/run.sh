@@ -8,6 +8,10 @@ cd src
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,utilization.gpu,memory.used --format=csv
 python3 -c "import voxbatch.cli, voxbatch.worker.main, voxbatch.worker.tasks, pydantic_settings, soundfile, wetext, torch; print('imports ok', torch.__version__)" || exit 4
 ../bin/redis.sh --version || exit 5
+# GPU_TESTS="tests/a.py tests/b.py": those tests first, on this GPU (output in $OUT/gpu_tests.txt).
+if [ -n "${GPU_TESTS:-}" ]; then
+  timeout ${GPU_TESTS_TIMEOUT:-240} python3 -m pytest -q -rs -p no:cacheprovider $GPU_TESTS 2>&1 | tail -60 | tee "$OUT/gpu_tests.txt"
+fi
 # PYSPY=1: sample every Python thread of the bench and its worker processes (py-spy attached from
 # outside, waits included) into $OUT/pyspy.txt (collapsed stacks per thread), to see where the CPU side
 # spends the GPU's idle time. A py-spy that cannot attach leaves the bench running as it would alone.
