@@ -13,15 +13,13 @@ the fp32 reference). On CPU without the interpreter FUSED_NORM falls back to eag
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.triton_interpreter import INTERPRETED, interpreted, run_interpreted
 from voxbatch.worker.cosyvoice2 import flow_estimator, norm_kernel
 from voxbatch.worker.cosyvoice2.flow import CausalFlow
 from voxbatch.worker.cosyvoice2.norm_kernel import fused_layer_norm
@@ -34,21 +32,9 @@ EPS = 1e-5
 SHAPES = [(3, 37, 256), (2, 600, 256), (5, 11, 80), (4, 192)]  # rows not a multiple of BLOCK_M; C not a power of two
 
 
-# Triton reads TRITON_INTERPRET when it is imported, so the interpreted tests run in a child pytest
-# started with it set (test_under_triton_interpreter); in this process they skip.
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in test_under_triton_interpreter's child pytest")
-
-
 def test_under_triton_interpreter() -> None:
     """The `interpreted` tests below, in a child pytest with TRITON_INTERPRET=1 (no GPU needed)."""
-    pytest.importorskip("triton")
-    if INTERPRETED:
-        pytest.skip("this is the child run")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "interpreted"]
-    r = subprocess.run(cmd, env=env, cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-6000:] + r.stderr[-3000:]
+    run_interpreted(__file__)
 
 
 def _inputs(shape: tuple[int, ...], dtype: torch.dtype, device: str):
