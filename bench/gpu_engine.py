@@ -313,6 +313,7 @@ SWITCHES = {
     "fused_rope": ("voxbatch.worker.cosyvoice2.llm", "FUSED_ROPE", lambda v: v in ("1", "true")),
     "fused_norm": ("voxbatch.worker.cosyvoice2.flow_estimator", "FUSED_NORM", lambda v: v in ("1", "true")),
     "lag": ("voxbatch.worker.cosyvoice2.torch_backend", "LOOK_LAG", int),
+    "hift_quantum": ("voxbatch.worker.cosyvoice2.engine", "HIFT_FRAME_QUANTUM", int),
     "varlen": ("voxbatch.worker.cosyvoice2.flow_estimator", "VARLEN_ATTENTION", lambda v: v in ("1", "true")),
 }
 

@@ -105,6 +105,13 @@ def llm_rows(placement: Placement, kv_bytes_per_row: int | None, free_bytes: int
     return rows
 
 
+# HiFT batches are padded to a multiple of this many mel frames (rows carry their lengths, so padding
+# changes no output). cuDNN builds an execution plan for each new convolution shape and PyTorch keeps
+# them per exact shape: at the width of each batch's longest row nearly every HiFT batch meets new
+# shapes for its ~60 convs, at multiples of 32 frames a corpus meets a few dozen widths (bench switch
+# hift_quantum=1 for the A/B).
+HIFT_FRAME_QUANTUM = 32
+
 FLOW_ROWS_MAX = 128  # the fastest flow + HiFT batch measured on an H200 (128 over 64: bench/results/h200_probe1.json)
 
 
@@ -164,9 +171,10 @@ class _Item:
     tokens: list[int] | None = None  # speech tokens once the LLM is done with it
 
 
-def _pad(rows: list[torch.Tensor], lengths: list[int]) -> torch.Tensor:
-    """Right-pad (T_i, ...) tensors into (B, max T, ...) with zeros (B=1, T=0 rows give width 0)."""
-    width = max(lengths) if lengths else 0
+def _pad(rows: list[torch.Tensor], lengths: list[int], quantum: int = 1) -> torch.Tensor:
+    """Right-pad (T_i, ...) tensors into (B, max T rounded up to `quantum`, ...) with zeros (B=1, T=0
+    rows give width 0)."""
+    width = -(-max(lengths) // quantum) * quantum if lengths else 0
     out = rows[0].new_zeros((len(rows), width, *rows[0].shape[1:]))
     for i, (row, n) in enumerate(zip(rows, lengths)):
         out[i, :n] = row[:n]
@@ -470,7 +478,7 @@ class CosyVoice2Engine(Engine):
         with torch.inference_mode():
             mels = [time_scale(m, s).to(hift_dev) for m, s in zip(mels, speeds)]
             mel_lens = [m.shape[1] for m in mels]
-            mel = _pad([m.transpose(0, 1) for m in mels], mel_lens).transpose(1, 2)  # (B, 80, T_mel)
+            mel = _pad([m.transpose(0, 1) for m in mels], mel_lens, HIFT_FRAME_QUANTUM).transpose(1, 2)  # (B, 80, T_mel)
             generators = [torch.Generator(device=hift_dev).manual_seed(s) for s in seeds]
             with deterministic_cudnn():
                 wav, _ = self.hift.inference(mel, torch.tensor(mel_lens, device=hift_dev), generators)  # (B, T_wav)
