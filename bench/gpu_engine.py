@@ -310,7 +310,6 @@ SWITCHES = {
     "idle_div": ("voxbatch.worker.cosyvoice2.streaming", "IDLE_BATCH_DIV", int),
     "octave": ("voxbatch.worker.cosyvoice2.streaming", "BUCKETS_PER_OCTAVE", int),
     "fused_llm": ("voxbatch.worker.cosyvoice2.llm", "FUSED_KERNELS", lambda v: v in ("1", "true")),
-    "fused_rope": ("voxbatch.worker.cosyvoice2.llm", "FUSED_ROPE", lambda v: v in ("1", "true")),
     "fused_norm": ("voxbatch.worker.cosyvoice2.flow_estimator", "FUSED_NORM", lambda v: v in ("1", "true")),
     "lag": ("voxbatch.worker.cosyvoice2.torch_backend", "LOOK_LAG", int),
     "hift_quantum": ("voxbatch.worker.cosyvoice2.engine", "HIFT_FRAME_QUANTUM", int),

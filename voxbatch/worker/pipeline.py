@@ -254,8 +254,10 @@ class Pipeline:
             self._handles.add(handle)
         try:
             state = self._service(lambda: self.jobs.state(task.job_id), f"job {task.job_id}", stop=self._abandoned)
+            # Lazily, in order: each segment goes to the intake as soon as its own lookup is back, not
+            # after the whole task's (a task of 256 held the engine's first rows for all 512 round trips).
             stored = ([True] * len(task.segments) if state == "cancelled" else
-                      list(self._lookups.map(lambda seg: self._already_stored(handle, seg), task.segments)))
+                      self._lookups.map(lambda seg: self._already_stored(handle, seg), task.segments))
             for seg, skip in zip(task.segments, stored):
                 if skip:
                     handle.skipped += 1

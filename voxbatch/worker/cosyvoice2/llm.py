@@ -29,7 +29,6 @@ from torch import Tensor, nn
 from voxbatch.model_files import QWEN_DIR
 from voxbatch.worker.cosyvoice2.checkpoint import ModelDirError, check_keys, empty_init, load_state_dict, read_config, section
 from voxbatch.worker.cosyvoice2.derived import stacked
-from voxbatch.worker.cosyvoice2.rope_kernel import fused_rope_cache_write
 
 SOS, TASK_ID = 0, 1  # rows of `llm_embedding`
 
@@ -97,11 +96,6 @@ class LlmDims:
 # False keeps the layer-by-layer form (the benchmark's A/B).
 FUSED_KERNELS = True
 
-# The decode step's RoPE of q and k and its KV-cache write as one Triton kernel per layer on CUDA
-# (rope_kernel.py, bit-identical to eager there) instead of ~13 small ones. Read at every call;
-# False keeps the eager form (as CPU does), the benchmark's A/B (`fused_rope=0`).
-FUSED_ROPE = True
-
 
 class RMSNorm(nn.Module):
     """Qwen2's RMSNorm: normalise in fp32, scale in the input dtype."""
@@ -134,32 +128,6 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
-
-
-def decode_rope_write(
-    q: Tensor,  # (B, 1, H*hd) projections of this step's tokens
-    k: Tensor,  # (B, 1, KVH*hd)
-    v: Tensor,  # (B, 1, KVH*hd)
-    cos: Tensor,  # (B, 1, hd)
-    sin: Tensor,
-    cache_k: Tensor,  # (B_max, KVH, T_max, hd) one layer's cache, written in place
-    cache_v: Tensor,
-    write_pos: Tensor,  # (B,) position of each row's token
-) -> Tensor:
-    """Decode step (T == 1): RoPE on q and k, k and v written into cache row b at write_pos[b] -> q (B, H, 1, hd)."""
-    if FUSED_ROPE:  # None on CPU, and wherever else the kernel cannot run
-        q_rot = fused_rope_cache_write(q, k, v, cos, sin, cache_k, cache_v, write_pos)
-        if q_rot is not None:
-            return q_rot
-    B, hd = q.shape[0], cache_k.shape[-1]
-    q = q.reshape(B, 1, -1, hd).transpose(1, 2)  # (B, H, 1, hd)
-    k = k.reshape(B, 1, -1, hd).transpose(1, 2)  # (B, KVH, 1, hd)
-    v = v.reshape(B, 1, -1, hd).transpose(1, 2)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    rows = torch.arange(B, device=q.device)
-    cache_k[rows, :, write_pos] = k[:, :, 0]  # (B, KVH, hd)
-    cache_v[rows, :, write_pos] = v[:, :, 0]
-    return q
 
 
 class Attention(nn.Module):
@@ -196,19 +164,20 @@ class Attention(nn.Module):
     ) -> Tensor:
         B, T, _ = x.shape
         q, k, v = self.project(x)
-        if cache is not None and write_pos is not None:  # decode: T == 1, row b at write_pos[b]; attend over the cache
+        q = q.reshape(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
+        k = k.reshape(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, KVH, T, hd)
+        v = v.reshape(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
             cache_k, cache_v = cache
-            q = decode_rope_write(q, k, v, cos, sin, cache_k, cache_v, write_pos)  # (B, H, 1, hd)
-            k, v = cache_k[:B, :, :kv_len], cache_v[:B, :, :kv_len]  # (B, KVH, kv_len, hd)
-        else:
-            q = q.reshape(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
-            k = k.reshape(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, KVH, T, hd)
-            v = v.reshape(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            if cache is not None:  # prefill: rows `write_rows`, positions [0, T); attend within the prompt
-                cache_k, cache_v = cache
+            if write_pos is None:  # prefill: rows `write_rows`, positions [0, T); attend within the prompt
                 cache_k[write_rows, :, :T] = k  # (B, KVH, T, hd)
                 cache_v[write_rows, :, :T] = v
+            else:  # decode: T == 1, row b at write_pos[b]; attend over the cache
+                rows = torch.arange(B, device=x.device)
+                cache_k[rows, :, write_pos] = k[:, :, 0]  # (B, KVH, hd)
+                cache_v[rows, :, write_pos] = v[:, :, 0]
+                k, v = cache_k[:B, :, :kv_len], cache_v[:B, :, :kv_len]  # (B, KVH, kv_len, hd)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv_heads != self.n_heads)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 

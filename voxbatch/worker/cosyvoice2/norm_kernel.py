@@ -56,9 +56,11 @@ def _build():
         ok = row_ok[:, None] & col_ok[None, :]  # (BLOCK_M, BLOCK_C)
         offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
         x = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-        mean = tl.sum(x, axis=1) / C  # (BLOCK_M,)
+        # Correctly rounded divisions: Triton's default `/` is approximate (2 ulp), and a constant row's
+        # mean off by an ulp becomes ~6e-5 after 1/sqrt(eps) (seen on the H200 at C = 80, 192).
+        mean = tl.div_rn(tl.sum(x, axis=1), C * 1.0)  # (BLOCK_M,)
         xc = tl.where(ok, x - mean[:, None], 0.0)
-        rstd = tl.rsqrt(tl.sum(xc * xc, axis=1) / C + eps)  # biased variance, as LayerNorm
+        rstd = tl.rsqrt(tl.div_rn(tl.sum(xc * xc, axis=1), C * 1.0) + eps)  # biased variance, as LayerNorm
         w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
         b = tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
         y = xc * rstd[:, None] * w[None, :] + b[None, :]
