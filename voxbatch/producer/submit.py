@@ -223,7 +223,7 @@ def submit_job(spec: JobSpec, settings: Settings, storage: Storage, queue: str |
     from voxbatch.celery_app import configure_celery, render_sender
     from voxbatch.jobstate import RedisJobStore
 
-    spec_bytes(spec, settings)
+    spec_bytes(spec, settings)  # refused over the size limit before any service is touched
     storage.check()
     check_voices(storage, spec)
     jobs = RedisJobStore.from_url(settings.broker_url)

@@ -40,12 +40,9 @@ from voxbatch.worker.cosyvoice2.sampling import BatchSampler, RasConfig
 
 MAX_SEQ = 4096  # positions of the KV cache: prompt + max_tokens of a request must fit
 # Decode steps queued past a look before the host reads it (module docstring): at 256 rows on an H200,
-# 8 steps are ~27 ms of GPU work for the host's bookkeeping, admission and prefill launches to hide in.
+# 8 steps are ~27 ms of GPU work for the host's bookkeeping, admission and prefill launches to hide in
+# (engine 239.6x vs 231.1x with lag=0, bench/results/gpu_h200_ab1.json).
 LOOK_LAG = 8
-
-
-def device_is_cuda(model: CosyVoice2LM) -> bool:
-    return model.llm_decoder.weight.device.type == "cuda"
 
 
 def _bucket(n: int, cap: int) -> int:
@@ -228,9 +225,9 @@ class TorchLlmBackend(LlmBackend):
     ):
         self.model = model
         self.max_batch, self.max_seq, self.sync_every = max_batch, max_seq, sync_every
-        self.look_lag = (LOOK_LAG if device_is_cuda(model) else 0) if look_lag is None else look_lag
         self.window, self.refill_div = window, refill_div
         device = model.llm_decoder.weight.device
+        self.look_lag = (LOOK_LAG if device.type == "cuda" else 0) if look_lag is None else look_lag
         self.cuda_graphs = device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self.bucket = self.cuda_graphs if bucket_batches is None else bucket_batches
         self.widths = attention_widths(max_seq, kv_block)
