@@ -280,6 +280,39 @@ def test_logits_processor_draws_like_the_torch_sampler_and_follows_the_batch(ref
     assert _drawn(out) == [_expected_draw(pushed, hist_b, 3, 5, eos, greedy=True)]  # B's state moved with it
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: the processor's step runs as CUDA graphs there")
+def test_logits_processor_graphs_draw_what_the_eager_step_draws(ref, tiny_facts):
+    """On a GPU the V1 processor replays its step as CUDA graphs (one per power-of-two row count):
+    the same tokens and the same per-row state as the eager step, through batches of 5, 3 and 1
+    rows, and no row at or past the batch's count moves (row 3 stays live while batches of 3 and 1
+    replay graphs of 4 and 1 rows)."""
+    eos = tiny_facts.eos_id
+    _vllm_or_skip()
+    from vllm import SamplingParams
+    from vllm.v1.sample.logits_processor import BatchUpdate
+
+    from voxbatch.worker.cosyvoice2.ras import RasLogitsProcessor, RasParams, ras_extra_args
+
+    logits, decoded = _ras_case(ref)
+    graphed = RasLogitsProcessor(_engine_config(eos, rows=8), torch.device("cuda"), True)
+    eager = RasLogitsProcessor(_engine_config(eos, rows=8), torch.device("cuda"), True)
+    assert graphed.graphs is not None
+    eager.graphs = None
+    added = [(i, SamplingParams(extra_args=ras_extra_args(RasParams(seed=10 + i, min_tokens=3, greedy=i == 4))), None,
+              list(decoded[: i + 1])) for i in range(5)]
+    for proc in (graphed, eager):
+        proc.update_state(BatchUpdate(batch_size=5, removed=[], added=added, moved=[]))
+    gen = torch.Generator().manual_seed(0)
+    for B in (5, 5, 3, 3, 1):
+        batch = (logits.float()[None].repeat(B, 1) + torch.randn(B, logits.shape[0], generator=gen)).cuda()
+        got, want = graphed.apply(batch.clone()), eager.apply(batch.clone())
+        assert _drawn(got) == _drawn(want)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert torch.equal(graphed.table.ints, eager.table.ints)
+    assert graphed.table.ints[3, 6].item() == len(decoded[:4]) + 2  # row 3 decoded twice (the batches of 5)
+    assert sorted(size for size, _ in graphed.graphs.graphs) == [1, 4, 8]
+
+
 def test_logits_processor_refuses_chunked_prefill(tiny_facts):
     """A chunked prompt's rows are sampled and thrown away: the per-row state would count them."""
     _vllm_or_skip()

@@ -180,6 +180,10 @@ class RowTable:
         )
 
 
+# The V1 processor's step runs as CUDA graphs on GPU (`_StepGraphs`); False: eagerly, as on CPU.
+STEP_GRAPHS = True
+
+
 def _one_hot(logits: Tensor, tok: Tensor, active: Tensor) -> Tensor:
     """logits (R, V) with each active row replaced by 0 at tok (R,) and -inf elsewhere, in place."""
     pick = torch.full_like(logits, float("-inf")).scatter_(1, tok[:, None], 0.0)  # (R, V)
@@ -200,6 +204,7 @@ class RasLogitsProcessor(V1LogitsProcessor):
             raise ValueError(f"{type(self).__name__} needs chunked prefill off")
         self.eos_id = engine_eos_id(vllm_config)
         self.table = RowTable(vllm_config.scheduler_config.max_num_seqs, WINDOW, device, is_pin_memory)
+        self.graphs = _StepGraphs(self) if torch.device(device).type == "cuda" and STEP_GRAPHS else None
 
     def is_argmax_invariant(self) -> bool:
         return False  # it picks the token
@@ -221,15 +226,65 @@ class RasLogitsProcessor(V1LogitsProcessor):
         if not self.table.live:
             return logits
         B = min(logits.shape[0], self.table.rows)
-        ints, floats = self.table.ints[:B], self.table.floats[:B]  # (B, 7 + W), (B, 2) views
+        if self.graphs is not None:
+            self.graphs.replay(logits, B)
+        else:
+            self.step(logits[:B], B)
+        return logits
+
+    def step(self, logits: Tensor, limit: Tensor | int) -> None:
+        """Draw the first R = logits.shape[0] rows' tokens and write them as one-hot logits, in place;
+        rows at or past `limit` (a count, or a 0-dim tensor in a graph) are left as they are."""
+        R = logits.shape[0]
+        ints, floats = self.table.ints[:R], self.table.floats[:R]  # (R, 7 + W), (R, 2) views
         n_decoded, recent = ints[:, _N_DECODED], ints[:, _RECENT:]
-        tok = sample_tokens(logits[:B], n_decoded=n_decoded, recent=recent, eos_id=self.eos_id, **self.table.settings(ints, floats))
-        active = ints[:, _ACTIVE].bool()
+        tok = sample_tokens(logits, n_decoded=n_decoded, recent=recent, eos_id=self.eos_id, **self.table.settings(ints, floats))
+        active = ints[:, _ACTIVE].bool() & (torch.arange(R, device=logits.device) < limit)
         # Every row's token is kept (no chunked prefill), so each active row has decoded one more.
         n_decoded.add_(active.long())
         recent.copy_(torch.where(active[:, None], torch.cat([recent[:, 1:], tok[:, None]], dim=1), recent))
-        _one_hot(logits[:B], tok, active)
-        return logits
+        _one_hot(logits, tok, active)
+
+
+class _StepGraphs:
+    """The V1 processor's step as one CUDA graph per power-of-two row count.
+
+    vLLM runs logits processors eagerly, outside its own graphs: `sample_tokens` and the bookkeeping
+    are ~100 small kernels with Python between them, which on the H200 put vLLM at half the torch
+    backend's tokens/s (whose step, sampler included, is one graph). Here the step is captured once
+    per size over a static logits buffer: a step copies the batch's logits in, replays, copies the
+    one-hot rows out. Rows past the batch's count (padding up to the graph's size) are masked by a
+    count tensor written before each replay, so their table state never moves. Warm-up and capture
+    run with that count at 0: capturing changes no row."""
+
+    def __init__(self, proc: RasLogitsProcessor):
+        self.proc = proc
+        self.count = torch.zeros((), dtype=torch.int64, device=proc.table.device)
+        self.graphs: dict[tuple[int, torch.dtype], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def replay(self, logits: Tensor, B: int) -> None:
+        size = min(1 << (B - 1).bit_length(), self.proc.table.rows)
+        graph, buf = self.graphs.get((size, logits.dtype)) or self._capture(size, logits)
+        buf[:B].copy_(logits[:B])
+        self.count.fill_(B)
+        graph.replay()
+        logits[:B].copy_(buf[:B])
+
+    def _capture(self, size: int, logits: Tensor) -> tuple[torch.cuda.CUDAGraph, Tensor]:
+        buf = torch.zeros((size, logits.shape[1]), dtype=logits.dtype, device=logits.device)
+        self.count.fill_(0)
+        side = torch.cuda.Stream(logits.device)
+        side.wait_stream(torch.cuda.current_stream(logits.device))
+        with torch.cuda.stream(side):
+            self.proc.step(buf, self.count)  # warm-up: kernel selection, allocator
+        torch.cuda.current_stream(logits.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: vLLM's driver thread captures while the vocoder thread may be running flow/HiFT.
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            self.proc.step(buf, self.count)
+        self.graphs[(size, logits.dtype)] = (graph, buf)
+        return graph, buf
 
 
 try:  # Model Runner V2's interface (vLLM 0.3x); absent in older releases
