@@ -271,16 +271,26 @@ class GpuUtilisation:
             if self._reader is not None:
                 self._reader.join(5)
 
-    def summary(self, window: tuple[float, float] | None = None) -> dict[str, dict[str, float]] | None:
+    def summary(self, window: tuple[float, float] | None = None, raw: bool = False) -> dict[str, dict[str, float]] | None:
+        """Mean, max and by-tenth utilisation per GPU over `window` (unix times); `raw` adds every
+        sample as [seconds since the window's start, %] (where in a job the GPU waited)."""
         if self.proc is None:
             return None
-        per: dict[str, list[float]] = defaultdict(list)
+        per: dict[str, list[tuple[float, float]]] = defaultdict(list)
         for t, gpu, u in self.samples:
             if window is None or window[0] <= t <= window[1]:
-                per[gpu].append(u)
-        return {gpu: {"mean_pct": round(sum(v) / len(v), 1), "max_pct": max(v), "samples": len(v),
-                      "by_tenth_pct": [round(sum(c) / len(c), 1) if c else None for c in _tenths(v)]}
-                for gpu, v in per.items() if v}
+                per[gpu].append((t, u))
+        out = {}
+        for gpu, tv in per.items():
+            v = [u for _, u in tv]
+            if not v:
+                continue
+            out[gpu] = {"mean_pct": round(sum(v) / len(v), 1), "max_pct": max(v), "samples": len(v),
+                        "by_tenth_pct": [round(sum(c) / len(c), 1) if c else None for c in _tenths(v)]}
+            if raw:
+                t0 = window[0] if window else tv[0][0]
+                out[gpu]["raw"] = [[round(t - t0, 2), u] for t, u in tv]
+        return out
 
 
 def _tenths(v: list[float]) -> list[list[float]]:
@@ -299,7 +309,7 @@ def busy_pct(summary: dict | None) -> float | None:
 # Short names in --engine-runs / --worker-run specs -> Settings fields.
 RUN_KEYS = {"rows": "engine_max_batch", "flow": "engine_flow_batch", "task": "batch_size", "dtype": "llm_dtype",
             "inflight": "worker_inflight_segments", "upload": "upload_threads",
-            "format": "output_format"}
+            "format": "output_format", "gil": "gil_switch_interval_ms"}
 
 
 # Engine-stage A/B of scheduler and kernel choices that are code constants, not settings: key ->
@@ -314,6 +324,7 @@ SWITCHES = {
     "lag": ("voxbatch.worker.cosyvoice2.torch_backend", "LOOK_LAG", int),
     "hift_quantum": ("voxbatch.worker.cosyvoice2.engine", "HIFT_FRAME_QUANTUM", int),
     "varlen": ("voxbatch.worker.cosyvoice2.flow_estimator", "VARLEN_ATTENTION", lambda v: v in ("1", "true")),
+    "devcopy": ("voxbatch.worker.cosyvoice2.devcopy", "NON_BLOCKING", lambda v: v in ("1", "true")),
 }
 
 
@@ -597,6 +608,13 @@ class Bench:
         rows.append(r)
         self.results["llm_tokens_per_s_corpus"] = r["tokens_per_s"]
         print(f"  llm corpus continuous B={B} {r['tokens_per_s']:10.1f} tok/s", flush=True)
+        # The same corpus in the order the engine's intake hands it over when it holds the whole corpus
+        # (streaming.LONGEST_FIRST: longest texts first); the segments' lengths are forced from the text.
+        by_length = sorted(reqs, key=lambda q: -q.max_tokens)
+        r = self._measure(backend, by_length)
+        r.update(impl="graphs, continuous, corpus longest first (the engine's intake order)", batch=B)
+        rows.append(r)
+        print(f"  llm corpus continuous, longest first B={B} {r['tokens_per_s']:10.1f} tok/s", flush=True)
         backend.close()
         out["rows"] = rows
         return out
@@ -636,7 +654,18 @@ class Bench:
                 print(f"  llm vllm B={b:4d} {r['tokens_per_s']:10.1f} tok/s", flush=True)
             by_vllm = self._measure(backend, corpus)
             by_vllm.update(impl="vllm, continuous, corpus", batch=B)
-            rows += [by_vllm, by_torch]
+            # A/B in the same engine: waiting requests handed to vLLM one by one as slots free (was).
+            from voxbatch.worker.cosyvoice2 import vllm_backend
+
+            refill, vllm_backend.REFILL_DIV = vllm_backend.REFILL_DIV, 0
+            try:
+                one_by_one = self._measure(backend, corpus)
+            finally:
+                vllm_backend.REFILL_DIV = refill
+            one_by_one.update(impl="vllm, continuous, corpus, requests admitted one by one (REFILL_DIV=0)", batch=B)
+            print(f"  llm vllm corpus B={B}: {by_vllm['tokens_per_s']:.1f} tok/s grouped admission, "
+                  f"{one_by_one['tokens_per_s']:.1f} one by one", flush=True)
+            rows += [by_vllm, one_by_one, by_torch]
         finally:
             backend.close()
         ratio = round(by_vllm["tokens_per_s"] / by_torch["tokens_per_s"], 3)
@@ -853,7 +882,7 @@ class Bench:
                     res = harness.wait(job, a.worker_timeout_s)
                     t1 = time.time()
                 wall = res["finished_at"] - res["created_at"]
-                busy = util.summary(window=(res["created_at"], res["finished_at"]))
+                busy = util.summary(window=(res["created_at"], res["finished_at"]), raw=True)
                 res.update(task_size=size, wall_s=round(wall, 3), x_realtime=round(res["audio_s"] / wall, 1),
                            submit_to_done_s=round(t1 - t0, 3), x_realtime_incl_submit=round(res["audio_s"] / (t1 - t0), 1),
                            gpu_utilisation=busy, gpu_busy_pct=busy_pct(busy))

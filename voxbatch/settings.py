@@ -98,6 +98,11 @@ class Settings(BaseSettings):
     # Segments a worker process holds in flight, whatever its tasks' size; None: 2 x the engine's rows
     # (engine_max_batch as resolved; the engine refills LLM rows from the rest as sequences finish).
     worker_inflight_segments: int | None = Field(None, ge=1)
+    # How long a Python thread holds the GIL before another waiting one gets it (sys.setswitchinterval,
+    # set when a pipeline starts; Python's own is 5 ms). The engine's LLM and flow/HiFT threads both
+    # launch GPU work from Python: at 5 ms the LLM thread can wait a whole interval per decode step
+    # while the vocoder thread launches flow kernels, and its stream runs dry.
+    gil_switch_interval_ms: float = Field(1.0, gt=0, le=100)
 
     # Failure handling: a segment is retried this many times in all before it is recorded failed.
     # Only errors of the segment itself (the engine failed on it) count; outages never do.

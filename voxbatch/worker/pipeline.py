@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 import weakref
@@ -152,6 +153,9 @@ class Pipeline:
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> "Pipeline":
+        # Process-wide, and set here because this is what every process running an engine starts (the
+        # worker, `voxbatch render`, the benchmarks); settings.gil_switch_interval_ms says why.
+        sys.setswitchinterval(self.settings.gil_switch_interval_ms / 1000)
         observe = None
         if self.metrics is not None:
             observe = self.metrics.batch_done

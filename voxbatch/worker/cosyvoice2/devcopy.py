@@ -16,6 +16,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+# False: plain synchronous copies (the behaviour before this module; the bench's `devcopy=0` A/B).
+NON_BLOCKING = True
+
 
 def to_device(values: Sequence | torch.Tensor, device: torch.device | str, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Python numbers (or a CPU tensor) -> a tensor on `device`, queued on the current stream."""
@@ -25,7 +28,7 @@ def to_device(values: Sequence | torch.Tensor, device: torch.device | str, dtype
     host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
     if dtype is not None and host.dtype != dtype:
         host = host.to(dtype)
-    if device.type != "cuda":
+    if device.type != "cuda" or not NON_BLOCKING:
         return host.to(device)
     if not host.is_pinned():
         host = host.pin_memory()
