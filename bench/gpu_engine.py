@@ -324,7 +324,7 @@ SWITCHES = {
     "lag": ("voxbatch.worker.cosyvoice2.torch_backend", "LOOK_LAG", int),
     "hift_quantum": ("voxbatch.worker.cosyvoice2.engine", "HIFT_FRAME_QUANTUM", int),
     "varlen": ("voxbatch.worker.cosyvoice2.flow_estimator", "VARLEN_ATTENTION", lambda v: v in ("1", "true")),
-    "devcopy": ("voxbatch.worker.cosyvoice2.devcopy", "NON_BLOCKING", lambda v: v in ("1", "true")),
+    "gc_freeze": ("voxbatch.worker.pipeline", "FREEZE_GC", lambda v: v in ("1", "true")),
 }
 
 
@@ -654,18 +654,7 @@ class Bench:
                 print(f"  llm vllm B={b:4d} {r['tokens_per_s']:10.1f} tok/s", flush=True)
             by_vllm = self._measure(backend, corpus)
             by_vllm.update(impl="vllm, continuous, corpus", batch=B)
-            # A/B in the same engine: waiting requests handed to vLLM one by one as slots free (was).
-            from voxbatch.worker.cosyvoice2 import vllm_backend
-
-            refill, vllm_backend.REFILL_DIV = vllm_backend.REFILL_DIV, 0
-            try:
-                one_by_one = self._measure(backend, corpus)
-            finally:
-                vllm_backend.REFILL_DIV = refill
-            one_by_one.update(impl="vllm, continuous, corpus, requests admitted one by one (REFILL_DIV=0)", batch=B)
-            print(f"  llm vllm corpus B={B}: {by_vllm['tokens_per_s']:.1f} tok/s grouped admission, "
-                  f"{one_by_one['tokens_per_s']:.1f} one by one", flush=True)
-            rows += [by_vllm, one_by_one, by_torch]
+            rows += [by_vllm, by_torch]
         finally:
             backend.close()
         ratio = round(by_vllm["tokens_per_s"] / by_torch["tokens_per_s"], 3)

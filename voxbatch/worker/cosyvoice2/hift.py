@@ -32,7 +32,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from voxbatch.worker.cosyvoice2.derived import DerivedWeight
-from voxbatch.worker.cosyvoice2.devcopy import to_device
 from voxbatch.worker.cosyvoice2.checkpoint import ModelDirError, check_keys, empty_init, load_state_dict, read_config, section
 
 
@@ -378,12 +377,12 @@ class HiFTGenerator(nn.Module):
         blocking for another shape) would grow to ~1e-4 in the source; run alone, a row's F0 is
         bit-identical to its one-at-a-time F0. The predictor is small and at the frame rate.
         """
+        mel_lengths = self._lengths(mel, mel_lengths)
         dtype = self.f0_predictor.classifier.weight.dtype  # fp32 as load_hift leaves it
         mel = mel.to(dtype)
         B, _, T_mel = mel.shape
         if B == 1:
-            return self.f0_predictor(mel, length_mask(self._lengths(mel, mel_lengths), T_mel, dtype))
-        mel_lengths = mel_lengths if mel_lengths is not None else torch.full((B,), T_mel)
+            return self.f0_predictor(mel, length_mask(mel_lengths, T_mel, dtype))
         f0 = mel.new_zeros(B, T_mel)
         for b, n in enumerate(mel_lengths.tolist()):
             row = mel[b : b + 1, :, :n]
@@ -399,7 +398,7 @@ class HiFTGenerator(nn.Module):
     ) -> torch.Tensor:
         """F0 (B, T_mel) -> source (B, 1, T_wav) fp32. Randomness from `noise` if given, else from
         per-row `generators`, else from the global torch RNG in the official order."""
-        mel_lengths = mel_lengths if mel_lengths is not None else torch.full((f0.shape[0],), f0.shape[1])  # read on the host
+        mel_lengths = mel_lengths if mel_lengths is not None else torch.full((f0.shape[0],), f0.shape[1], device=f0.device)
         if noise is None:
             wav_lengths = (mel_lengths * self.d.samples_per_frame).tolist()
             noise = draw_source_noise(self.d.nb_harmonics + 1, wav_lengths, generators, device=f0.device)
@@ -451,12 +450,9 @@ class HiFTGenerator(nn.Module):
         batch); None draws from the global RNG in the official order. `cache_source` (B, 1, n)
         overwrites the first n source samples (streaming: continue the previous chunk's source).
         """
-        # F0 and the source run row by row over each row's length: given lengths on the host (a CPU
-        # tensor), those loops read them there instead of waiting for the GPU to hand them over.
-        host = mel_lengths if mel_lengths is not None and mel_lengths.device.type == "cpu" else None
         mel_lengths = self._lengths(mel, mel_lengths)
-        f0 = self.f0(mel, mel_lengths if host is None else host)
-        source = self.source(f0, mel_lengths if host is None else host, generators)
+        f0 = self.f0(mel, mel_lengths)
+        source = self.source(f0, mel_lengths, generators)
         if cache_source is not None and cache_source.shape[2] > 0:
             source[:, :, : cache_source.shape[2]] = cache_source.float()
         return self.decode(mel, source, mel_lengths), source
@@ -465,7 +461,7 @@ class HiFTGenerator(nn.Module):
     def _lengths(mel: torch.Tensor, mel_lengths: torch.Tensor | None) -> torch.Tensor:
         if mel_lengths is None:
             return torch.full((mel.shape[0],), mel.shape[2], dtype=torch.long, device=mel.device)
-        return to_device(mel_lengths, mel.device, torch.long)
+        return mel_lengths.to(device=mel.device, dtype=torch.long)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -29,7 +29,6 @@ from torch import Tensor, nn
 from voxbatch.model_files import QWEN_DIR
 from voxbatch.worker.cosyvoice2.checkpoint import ModelDirError, check_keys, empty_init, load_state_dict, read_config, section
 from voxbatch.worker.cosyvoice2.derived import stacked
-from voxbatch.worker.cosyvoice2.devcopy import to_device
 
 SOS, TASK_ID = 0, 1  # rows of `llm_embedding`
 
@@ -311,14 +310,8 @@ class CosyVoice2LM(nn.Module):
     def embed_batch(self, prompts: list[tuple[list[int], list[int]]]) -> tuple[Tensor, Tensor]:
         """[(text ids, prompt speech ids)] -> right-padded embeddings (B, T, D) and lengths (B,)."""
         dev = self.llm_decoder.weight.device
-        # All ids in one copy that does not drain the stream (devcopy): the refill runs while decode
-        # steps are still queued.
-        ids = to_device([i for t, s in prompts for i in (*t, *s)], dev, torch.long)
-        seqs, at = [], 0
-        for t, s in prompts:
-            seqs.append(self.embed_prompt(ids[at : at + len(t)], ids[at + len(t) : at + len(t) + len(s)]))
-            at += len(t) + len(s)
-        lengths = to_device([len(s) for s in seqs], dev, torch.long)
+        seqs = [self.embed_prompt(torch.tensor(t, dtype=torch.long, device=dev), torch.tensor(s, dtype=torch.long, device=dev)) for t, s in prompts]
+        lengths = torch.tensor([len(s) for s in seqs], device=dev)
         return nn.utils.rnn.pad_sequence(seqs, batch_first=True), lengths
 
     def logp(self, hidden: Tensor) -> Tensor:

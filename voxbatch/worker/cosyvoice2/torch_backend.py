@@ -34,7 +34,6 @@ from pathlib import Path
 
 import torch
 
-from voxbatch.worker.cosyvoice2.devcopy import to_device
 from voxbatch.worker.cosyvoice2.llm import CosyVoice2LM
 from voxbatch.worker.cosyvoice2.llm_backend import Feed, ListFeed, LlmBackend, LlmRequest, LlmResult
 from voxbatch.worker.cosyvoice2.sampling import BatchSampler, RasConfig
@@ -135,12 +134,12 @@ class _Rows:
     def fill(self, slots: list[int], requests: list[LlmRequest]) -> None:
         """Prefill requests into free rows and reset those rows' state."""
         dev = self.logp.device
-        rows = to_device(slots, dev, torch.long)
+        rows = torch.tensor(slots, device=dev)
         embeds, lengths = self.model.embed_batch([(r.text_tokens, r.prompt_speech_tokens) for r in requests])
         self.logp[rows] = self.model.prefill(embeds, lengths, rows=rows)
         self.lengths[rows] = lengths
-        self.min_tokens[rows] = to_device([r.min_tokens for r in requests], dev, torch.long)
-        self.max_tokens[rows] = to_device([r.max_tokens for r in requests], dev, torch.long)
+        self.min_tokens[rows] = torch.tensor([r.min_tokens for r in requests], device=dev)
+        self.max_tokens[rows] = torch.tensor([r.max_tokens for r in requests], device=dev)
         self.recent[rows] = -1
         self.n_out[rows] = 0
         self.alive[rows] = True
@@ -186,7 +185,7 @@ class _Rows:
             tokens = self.tokens[stopped, :longest].tolist()
         else:
             with torch.cuda.stream(self.side):  # not ordered after the queued steps (see the docstring)
-                rows = to_device(stopped, self.tokens.device, torch.long)
+                rows = torch.tensor(stopped, device=self.tokens.device)
                 host = torch.empty((len(stopped), longest), dtype=torch.long, pin_memory=True)
                 host.copy_(self.tokens[rows, :longest], non_blocking=True)
             self.side.synchronize()

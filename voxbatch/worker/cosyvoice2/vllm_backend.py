@@ -20,7 +20,6 @@ import itertools
 import logging
 import queue
 import threading
-from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,12 +33,6 @@ from voxbatch.worker.cosyvoice2.llm_backend import LlmBackend, LlmRequest, LlmRe
 from voxbatch.worker.cosyvoice2.vllm_export import export_for_vllm
 
 log = logging.getLogger(__name__)
-
-
-# Waiting requests enter vLLM once at least max_num_seqs // REFILL_DIV of its sequence slots are free
-# (all at once when it is idle), as the torch backend refills its rows: one step prefills the group,
-# instead of a prompt in nearly every decode step as each sequence ends (0: one by one, as slots free).
-REFILL_DIV = 8
 
 
 class PromptEmbedder:
@@ -76,6 +69,8 @@ class VllmOptions:
     export_cache_dir: str | None = None  # where the vLLM folder goes (default: see vllm_export)
     dtype: str | None = None  # "float32" / "bfloat16"; None: float32 on CPU, bfloat16 on GPU (parity checks ask float32)
     max_prefill_tokens: int | None = None  # prompt positions one engine step takes (at least max_model_len); None: 2048 on CPU, 8192 on GPU
+    # vLLM schedules step N+1 while step N runs on the GPU (its async scheduling); None: on GPU only.
+    async_scheduling: bool | None = None
 
 
 class _Job:
@@ -215,41 +210,10 @@ class VllmLlmBackend(LlmBackend):
         # the latter ("thread_num == thread_num (2 vs. 1)" on a long prompt). torch._C's own setter:
         # vLLM's CPU worker replaces torch.set_num_threads with a no-op.
         torch._C.set_num_threads(self._threads)
-        owners: dict[str, tuple[_Job, int]] = {}  # every open request: its call and index there
-        pending: deque[tuple[str, Any, Any]] = deque()  # handed to us, not yet to vLLM
-        running: set[str] = set()  # in vLLM
+        owners: dict[str, tuple[_Job, int]] = {}
         stop_ids = set(self.dims.stop_ids)
-
-        def fail(job: _Job, error: BaseException) -> None:
-            """A call's request was refused: the whole call fails, its other requests go."""
-            ids = {rid for rid, (j, _) in owners.items() if j is job}
-            for rid in ids:
-                owners.pop(rid)
-            live = list(ids & running)
-            running.difference_update(live)
-            if live:
-                self.engine.abort_request(live)
-            pending_left = [item for item in pending if item[0] not in ids]
-            pending.clear()
-            pending.extend(pending_left)
-            job.results.put(error)
-
-        def admit() -> None:
-            """Hand vLLM waiting requests in groups (REFILL_DIV), as the torch backend refills rows."""
-            free = self.options.max_num_seqs - len(running)
-            group = max(1, self.options.max_num_seqs // REFILL_DIV) if REFILL_DIV else 1
-            if not pending or (running and free < min(group, len(pending))):
-                return
-            while pending and len(running) < self.options.max_num_seqs:
-                rid, prompt, params = pending.popleft()
-                try:
-                    self.engine.add_request(rid, prompt, params)
-                    running.add(rid)
-                except Exception as e:  # noqa: BLE001 - a rejected request fails its own call only
-                    fail(owners[rid][0], e)
-
         while True:
-            idle = not self.engine.has_unfinished_requests() and not pending
+            idle = not self.engine.has_unfinished_requests()
             try:
                 msg = self._inbox.get(block=idle)
             except queue.Empty:
@@ -260,25 +224,28 @@ class VllmLlmBackend(LlmBackend):
                     return
                 if kind == "add":
                     job, index_of, items = payload
-                    for rid, prompt, params in items:
-                        owners[rid] = (job, index_of[rid])
-                        pending.append((rid, prompt, params))
+                    added: list[str] = []
+                    try:
+                        for rid, prompt, params in items:
+                            self.engine.add_request(rid, prompt, params)
+                            owners[rid] = (job, index_of[rid])
+                            added.append(rid)
+                    except Exception as e:  # noqa: BLE001 - a rejected request fails its own call only
+                        for rid in added:
+                            owners.pop(rid, None)
+                        if added:
+                            self.engine.abort_request(added)
+                        job.results.put(e)
                 elif kind == "abort":
-                    gone = {rid for rid in payload if rid in owners}
-                    for rid in gone:
+                    live = [rid for rid in payload if rid in owners]
+                    for rid in live:
                         owners.pop(rid)
-                    live = list(gone & running)
-                    running.difference_update(live)
                     if live:
                         self.engine.abort_request(live)
-                    pending_left = [item for item in pending if item[0] not in gone]
-                    pending.clear()
-                    pending.extend(pending_left)
                 try:
                     msg = self._inbox.get_nowait()
                 except queue.Empty:
                     msg = None
-            admit()
             if not self.engine.has_unfinished_requests():
                 continue
             try:
@@ -290,10 +257,7 @@ class VllmLlmBackend(LlmBackend):
                     job.results.put(e)
                 return
             for out in outputs:
-                if not out.finished:
-                    continue
-                running.discard(out.request_id)
-                if out.request_id not in owners:
+                if not out.finished or out.request_id not in owners:
                     continue
                 job, index = owners.pop(out.request_id)
                 tokens = list(out.outputs[0].token_ids)
@@ -336,6 +300,11 @@ def _build_engine(folder: Path, options: VllmOptions) -> tuple[Any, torch.dtype]
     # chunked prompt is not. A step then takes whole prompts up to max_num_batched_tokens.
     kwargs["enable_chunked_prefill"] = False
     kwargs["max_num_batched_tokens"] = max(options.max_model_len, options.max_prefill_tokens or (2048 if on_cpu else 8192))
+    # Async scheduling: the host's per-step work (scheduling, input preparation, output handling for up to
+    # max_num_seqs requests) overlaps the previous step on the GPU instead of running between steps. The
+    # RAS processor keeps each row's window on the device, so it never needs the host's view of the
+    # tokens (which lags a step behind here).
+    kwargs["async_scheduling"] = (not on_cpu) if options.async_scheduling is None else options.async_scheduling
     if on_cpu:
         kwargs["kv_cache_memory_bytes"] = options.kv_cache_bytes_cpu
     else:
