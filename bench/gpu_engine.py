@@ -324,7 +324,6 @@ SWITCHES = {
     "lag": ("voxbatch.worker.cosyvoice2.torch_backend", "LOOK_LAG", int),
     "hift_quantum": ("voxbatch.worker.cosyvoice2.engine", "HIFT_FRAME_QUANTUM", int),
     "varlen": ("voxbatch.worker.cosyvoice2.flow_estimator", "VARLEN_ATTENTION", lambda v: v in ("1", "true")),
-    "gc_freeze": ("voxbatch.worker.pipeline", "FREEZE_GC", lambda v: v in ("1", "true")),
 }
 
 

@@ -221,6 +221,8 @@ def gpu_stages_block(results: dict[str, dict]) -> str:
             continue
         src_name, src = found
         lines += STAGE_SECTIONS.get(stage, generic_section)(stage, src["stages"][stage], src_name, src) + [""]
+        if stage == "vllm":
+            lines += vllm_runs(results) + [""]
     if missing:
         lines += [f"Stages no committed GPU result holds: {', '.join(missing)} "
                   f"(`python -m bench.gpu_engine --stages {' '.join(missing)}` measures them).", ""]
@@ -239,6 +241,27 @@ def llm_section(stage: str, st: dict, name: str, r: dict) -> list[str]:
         tail += ["", f"Mixed-length corpus, {num(c['requests'])} requests at {c['rows']} rows, one run: vLLM **{num(c['vllm_tokens_per_s'], 0)}** "
                      f"tokens/s, torch backend **{num(c['torch_tokens_per_s'], 0)}**; vLLM / torch = {c['vllm_over_torch']}."]
     return head + table(["impl", "rows", "requests", "tokens", "s", "tokens/s", "peak GiB"], rows) + tail
+
+
+def vllm_runs(results: dict[str, dict]) -> list[str]:
+    """Every committed vLLM-vs-torch comparison, oldest first: each run changed the vLLM path, and the
+    newest alone would not say which change bought what."""
+    rows = []
+    for name, r in sorted(results.items(), key=lambda kv: kv[1]["when"]):
+        st = r["stages"].get("vllm")
+        if not isinstance(st, dict) or "corpus" not in st:
+            continue
+        c = st["corpus"]
+        fixed = {x["batch"]: x["tokens_per_s"] for x in st["rows"] if x["impl"] == "vllm"}
+        B = c["rows"]
+        extra = "; ".join(f"{x['impl']}: {num(x['tokens_per_s'], 0)}" for x in st["rows"]
+                          if x["impl"].startswith("vllm, continuous, corpus,"))
+        rows.append([f"`{name}`", r["commit"][:7], num(fixed.get(B), 0), f"**{num(c['vllm_tokens_per_s'], 0)}**",
+                     num(c["torch_tokens_per_s"], 0), str(c["vllm_over_torch"]), extra or "–"])
+    if not rows:
+        return []
+    return ["vLLM against the torch backend in each committed run (corpus rows: the mixed-length corpus at the same rows):", "",
+            *table(["result", "commit", "vLLM fixed", "vLLM corpus", "torch corpus", "vLLM / torch", "same-run variants"], rows)]
 
 
 def parts_section(stage: str, st: dict, name: str, r: dict) -> list[str]:

@@ -28,7 +28,6 @@ not use up a segment's attempts.
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import queue
@@ -52,11 +51,6 @@ from voxbatch.storage import Storage
 from voxbatch.worker.engine import Engine, SynthesisRequest, SynthesisResult
 
 log = logging.getLogger(__name__)
-
-# When a pipeline starts, what the process built before it (models, tokenizer, Celery, the warm-up) is
-# moved out of the garbage collector's sight (gc.freeze). A full collection walked all of it: ~120 ms
-# holding the GIL in the H200 worker, every few jobs, with every engine thread unable to launch work.
-FREEZE_GC = True
 
 T = TypeVar("T")
 
@@ -163,11 +157,6 @@ class Pipeline:
         # Process-wide, and set here because this is what every process running an engine starts (the
         # worker, `voxbatch render`, the benchmarks); settings.gil_switch_interval_ms says why.
         sys.setswitchinterval(self.settings.gil_switch_interval_ms / 1000)
-        if FREEZE_GC:
-            gc.collect()
-            gc.freeze()
-        else:
-            gc.unfreeze()
         observe = None
         if self.metrics is not None:
             observe = self.metrics.batch_done

@@ -69,8 +69,6 @@ class VllmOptions:
     export_cache_dir: str | None = None  # where the vLLM folder goes (default: see vllm_export)
     dtype: str | None = None  # "float32" / "bfloat16"; None: float32 on CPU, bfloat16 on GPU (parity checks ask float32)
     max_prefill_tokens: int | None = None  # prompt positions one engine step takes (at least max_model_len); None: 2048 on CPU, 8192 on GPU
-    # vLLM schedules step N+1 while step N runs on the GPU (its async scheduling); None: on GPU only.
-    async_scheduling: bool | None = None
 
 
 class _Job:
@@ -300,11 +298,6 @@ def _build_engine(folder: Path, options: VllmOptions) -> tuple[Any, torch.dtype]
     # chunked prompt is not. A step then takes whole prompts up to max_num_batched_tokens.
     kwargs["enable_chunked_prefill"] = False
     kwargs["max_num_batched_tokens"] = max(options.max_model_len, options.max_prefill_tokens or (2048 if on_cpu else 8192))
-    # Async scheduling: the host's per-step work (scheduling, input preparation, output handling for up to
-    # max_num_seqs requests) overlaps the previous step on the GPU instead of running between steps. The
-    # RAS processor keeps each row's window on the device, so it never needs the host's view of the
-    # tokens (which lags a step behind here).
-    kwargs["async_scheduling"] = (not on_cpu) if options.async_scheduling is None else options.async_scheduling
     if on_cpu:
         kwargs["kv_cache_memory_bytes"] = options.kv_cache_bytes_cpu
     else:
