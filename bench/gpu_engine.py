@@ -840,10 +840,13 @@ class Bench:
         warm job's own figures are kept beside them (`warm_job`: a fresh worker's first job pays one-time
         costs, such as cuDNN plans and Triton kernels for the shapes it meets first)."""
         from bench.worker_run import WorkerHarness
+        from voxbatch.worker import timeline
 
         a = self.args
         t = time.perf_counter()
-        env = self.engine_env(parse_run(a.worker_run))
+        # The worker logs when its engine admits, decodes and vocodes (voxbatch/worker/timeline.py): each
+        # job's result gets its first admission / decode / audio beside the GPU utilisation samples.
+        env = {**self.engine_env(parse_run(a.worker_run)), "VOXBATCH_TIMELINE_LOG": "true"}
         print(f"  official model folder written in {time.perf_counter() - t:.1f}s", flush=True)
         corpus = self.tmp / "corpus.txt"
         corpus.write_text("\n\n".join(s.text for s in self.corpus) + "\n", encoding="utf-8")
@@ -874,6 +877,8 @@ class Bench:
                 res.update(task_size=size, wall_s=round(wall, 3), x_realtime=round(res["audio_s"] / wall, 1),
                            submit_to_done_s=round(t1 - t0, 3), x_realtime_incl_submit=round(res["audio_s"] / (t1 - t0), 1),
                            gpu_utilisation=busy, gpu_busy_pct=busy_pct(busy))
+                log_lines = harness.log.read_text(errors="replace").splitlines()
+                res["timeline"] = timeline.summary(timeline.read(log_lines, res["created_at"], res["finished_at"]))
                 runs[f"tasks_of_{size}"] = res
                 print(f"  worker tasks of {size}: {res['x_realtime']:.1f}x realtime, wall {wall:.1f}s, "
                       f"GPU busy {res['gpu_busy_pct']}%, done {res['done']}, failed {res['failed']}", flush=True)

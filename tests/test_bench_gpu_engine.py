@@ -51,6 +51,10 @@ def test_every_stage_runs_on_cpu_and_the_result_has_a_headline(tmp_path, tiny_mo
     assert set(worker) == {"tasks_of_4", "tasks_of_2"}
     for run in worker.values():
         assert run["done"] == run["segments"] == h["segments"] and run["failed"] == 0 and run["x_realtime"] > 0
+        # the worker's timeline log, read back per job: admitted, decoded, vocoded, in that order, inside the job
+        tl = run["timeline"]
+        assert 0 <= tl["first_admit_s"] <= tl["first_llm_session_s"] <= tl["first_vocode_start_s"] <= tl["first_vocode_end_s"] <= run["wall_s"]
+        assert tl["admit_events"] >= 1 and tl["vocode_end_events"] == tl["vocode_start_events"] >= 1
     assert h["x_realtime"] == worker["tasks_of_4"]["x_realtime"] and h["baseline_x_realtime"] > 0
     (engine,) = r["stages"]["engine"]["runs"].values()
     assert engine["stored"] == r["corpus"]["segments"] and engine["failed"] == 0

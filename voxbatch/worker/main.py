@@ -27,6 +27,7 @@ from voxbatch.celery_app import app, configure_celery, send_assemble, shutdown_w
 from voxbatch.jobstate import RedisJobStore
 from voxbatch.settings import load_settings
 from voxbatch.storage import open_storage
+from voxbatch.worker import timeline
 
 log = logging.getLogger("voxbatch.worker")
 
@@ -79,6 +80,7 @@ def serve(gpu: str | None, concurrency: int | None, queues: str | None, hostname
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = load_settings()
+    timeline.configure(settings.timeline_log)
     log.info("worker for GPU %s: CUDA_VISIBLE_DEVICES=%s", gpu, os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>"))
     configure_celery(settings)
     engine = build_engine(settings)

@@ -48,6 +48,7 @@ from voxbatch.outage import OutageTooLong, Stopped, backoff_s, wait_for_service
 from voxbatch.reuse import SegmentCache
 from voxbatch.settings import Settings
 from voxbatch.storage import Storage
+from voxbatch.worker import timeline
 from voxbatch.worker.engine import Engine, SynthesisRequest, SynthesisResult
 
 log = logging.getLogger(__name__)
@@ -338,6 +339,7 @@ class Pipeline:
         """
         admitted = []
         self.last_took = time.time()
+        timeline.event("admit", len(batch))
         pairs = [(r.tag.handle.task.job_id, r.tag.segment.id) for r in batch]
         attempts = self._service(lambda: self.jobs.begin_attempts(pairs), "engine: counting attempts")
         for req, attempt in zip(batch, attempts):

@@ -35,6 +35,7 @@ from collections.abc import Callable
 from contextlib import ExitStack
 import torch
 
+from voxbatch.worker import timeline
 from voxbatch.worker.engine import SynthesisRequest, SynthesisResult
 
 log = logging.getLogger(__name__)
@@ -271,6 +272,7 @@ class _Vocoder:
 
     def _render(self, batch: list, started: float) -> None:
         s = self.s
+        timeline.event("vocode_start", len(batch))
         try:
             results = list(s.engine.vocode(batch))
         except Exception as e:  # noqa: BLE001 - retried row by row: one bad segment fails alone
@@ -287,6 +289,7 @@ class _Vocoder:
             if r.audio is not None:
                 audio_s += len(r.audio) / s.engine.sample_rate
             s.emit(r)
+        timeline.event("vocode_end", len(batch))
         now = time.perf_counter()
         if s.observe is not None:  # wall: since the previous batch was out, or since this one's first row
             s.observe(len(batch), audio_s, now - max(self.last_observed, started))

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from voxbatch.worker import timeline
 from voxbatch.worker.cosyvoice2.llm import CosyVoice2LM
 from voxbatch.worker.cosyvoice2.llm_backend import Feed, ListFeed, LlmBackend, LlmRequest, LlmResult
 from voxbatch.worker.cosyvoice2.sampling import BatchSampler, RasConfig
@@ -323,6 +324,7 @@ class TorchLlmBackend(LlmBackend):
                 ends.add(s + r.max_tokens)
 
         place(first)
+        timeline.event("llm_session", len(first))
         closed = False
         while owner:
             state.run(min(max(offset.values()) + s + 1, self.max_seq))
@@ -353,3 +355,4 @@ class TorchLlmBackend(LlmBackend):
                 state = bigger
             if new:
                 place(new)
+                timeline.event("llm_refill", len(new))

@@ -1,0 +1,32 @@
+"""The worker's timeline log (voxbatch/worker/timeline.py): off by default, one parseable line per event
+when on, and read back per job window."""
+
+from __future__ import annotations
+
+import logging
+
+from voxbatch.worker import timeline
+
+
+def test_events_are_logged_only_when_configured_and_read_back_per_window(caplog):
+    caplog.set_level(logging.INFO)  # what a worker's basicConfig(INFO) lets through for other loggers
+    timeline.configure(False)
+    timeline.event("admit", 3)
+    assert not [r for r in caplog.records if r.name == "voxbatch.timeline"]
+    timeline.configure(True)
+    try:
+        timeline.event("admit", 3)
+        timeline.event("llm_session", 3)
+        timeline.event("vocode_start", 2)
+        timeline.event("vocode_end", 2)
+    finally:
+        timeline.configure(False)
+    lines = [f"2026-12-02 00:00:00,000 INFO voxbatch.timeline: {r.getMessage()}" for r in caplog.records if r.name == "voxbatch.timeline"]
+    assert len(lines) == 4
+    t0 = float(lines[0].rsplit(" ", 1)[1])
+    events = timeline.read(lines + ["unrelated line", "timeline admit x 1"], t0, t0 + 60)
+    assert [(e, n) for _, e, n in events] == [("admit", 3), ("llm_session", 3), ("vocode_start", 2), ("vocode_end", 2)]
+    s = timeline.summary(events)
+    assert s["first_admit_s"] == 0.0 and s["admit_events"] == 1 and s["llm_refill_events"] == 0 and s["first_llm_refill_s"] is None
+    assert s["first_vocode_end_s"] >= s["first_vocode_start_s"] >= s["first_llm_session_s"] >= 0
+    assert timeline.read(lines, t0 + 3600, t0 + 7200) == []  # another job's window sees none of them
