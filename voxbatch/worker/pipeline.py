@@ -52,7 +52,6 @@ from voxbatch.worker import timeline
 from voxbatch.worker.engine import Engine, SynthesisRequest, SynthesisResult
 
 log = logging.getLogger(__name__)
-
 T = TypeVar("T")
 
 # Exit status of a worker process whose pipeline thread died (the launcher restarts it).

@@ -13,7 +13,7 @@ against its closed form, `sampling.ras_log_probs`).
 Per-request state lives in preallocated device tensors, one row per batch row (V1) or request slot
 (V2): seed key, top_p/top_k/win_size/tau_r, greedy, min_tokens, and (V1) the decoded count and the
 last `WINDOW` tokens. `apply` is tensor operations over all rows with no host sync and no Python
-loop over requests; the host touches the tensors only when requests join, leave or move, once per
+loop over requests, replayed on a GPU as one CUDA graph (`_StepGraphs`); the host touches the tensors only when requests join, leave or move, once per
 such step (packed host-to-device copies from pinned memory, not waiting for the GPU).
 
 vLLM has two logits-processor interfaces: the V1 model runner's (`vllm.v1.sample.logits_processor`,
@@ -253,10 +253,11 @@ class _StepGraphs:
     are ~100 small kernels with Python between them, which on the H200 put vLLM at half the torch
     backend's tokens/s (whose step, sampler included, is one graph). Here the step is captured once
     per size over a static logits buffer: a step copies the batch's logits in, replays, copies the
-    one-hot rows out (vLLM at 256 rows on the H200: 14.8k -> 20.4k tokens/s fixed-length, 9.0k -> 14.6k
-    on the mixed corpus; bench/results/gpu_h200_vllm1.json, gpu_h200_vllm2.json). Rows past the batch's count (padding up to the graph's size) are masked by a
-    count tensor written before each replay, so their table state never moves. Warm-up and capture
-    run with that count at 0: capturing changes no row."""
+    one-hot rows out (vLLM at 256 rows on the H200: 14.8k -> 20.4k tokens/s fixed-length, 9.0k ->
+    14.6k on the mixed corpus; bench/results/gpu_h200_vllm1.json, gpu_h200_vllm2.json). Rows past the
+    batch's count (padding up to the graph's size) are masked by a count tensor written before each
+    replay, so their table state never moves. Warm-up and capture run with that count at 0:
+    capturing changes no row."""
 
     def __init__(self, proc: RasLogitsProcessor):
         self.proc = proc
