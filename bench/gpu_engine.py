@@ -281,10 +281,8 @@ class GpuUtilisation:
             if window is None or window[0] <= t <= window[1]:
                 per[gpu].append((t, u))
         out = {}
-        for gpu, tv in per.items():
+        for gpu, tv in per.items():  # every entry holds at least one sample
             v = [u for _, u in tv]
-            if not v:
-                continue
             out[gpu] = {"mean_pct": round(sum(v) / len(v), 1), "max_pct": max(v), "samples": len(v),
                         "by_tenth_pct": [round(sum(c) / len(c), 1) if c else None for c in _tenths(v)]}
             if raw:
@@ -583,6 +581,8 @@ class Bench:
                 "first_result_s": round(first or 0.0, 4)}
 
     def llm_stage(self) -> dict:
+        from voxbatch.worker.cosyvoice2.streaming import longest_first
+
         a = self.args
         out: dict = {"fixed_tokens": a.llm_tokens, "note": "B requests of fixed length decoded in B cache rows"}
         rows = []
@@ -607,11 +607,13 @@ class Bench:
         rows.append(r)
         self.results["llm_tokens_per_s_corpus"] = r["tokens_per_s"]
         print(f"  llm corpus continuous B={B} {r['tokens_per_s']:10.1f} tok/s", flush=True)
-        # The same corpus in the order the engine's intake hands it over when it holds the whole corpus
-        # (streaming.LONGEST_FIRST: longest texts first); the segments' lengths are forced from the text.
-        by_length = sorted(reqs, key=lambda q: -q.max_tokens)
+        # The same corpus in the order the engine's intake hands it over when it holds the whole corpus:
+        # its own key (streaming.longest_first, text length in characters), not the speech-token count
+        # the intake cannot see (a Chinese character is several times an English one's tokens).
+        by_length = [q for _, q in sorted(zip(self.corpus, reqs), key=lambda p: longest_first(p[0].text))]
         r = self._measure(backend, by_length)
-        r.update(impl="graphs, continuous, corpus longest first (the engine's intake order)", batch=B)
+        r.update(impl="graphs, continuous, corpus longest text first (streaming.longest_first, the engine's intake order)",
+                 batch=B)
         rows.append(r)
         print(f"  llm corpus continuous, longest first B={B} {r['tokens_per_s']:10.1f} tok/s", flush=True)
         backend.close()

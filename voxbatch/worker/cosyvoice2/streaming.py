@@ -53,6 +53,12 @@ LONGEST_FIRST = True  # refill LLM rows with the longest waiting texts first (sh
 MAX_WAIT_S = 10.0  # ... unless a request has waited this long: then it goes first, whatever its length
 
 
+def longest_first(text: str) -> int:
+    """LONGEST_FIRST's sort key: longer texts (in characters) first. The intake only has the text; the
+    benchmark orders its LLM-stage corpus with this same key."""
+    return -len(text)
+
+
 def length_bucket(n_tokens: int) -> int:
     """Length bucket of a finished sequence: rows within a factor of 2 ** (1 / BUCKETS_PER_OCTAVE)
     share a flow batch, so padding (and attention over it) stays small."""
@@ -131,7 +137,7 @@ class _Feed:
                 def order(i: int) -> tuple:
                     req = q.queue[i]
                     waited = now - seen[id(req)]
-                    return (0, -waited) if waited >= MAX_WAIT_S else (1, -len(req.text))
+                    return (0, -waited) if waited >= MAX_WAIT_S else (1, longest_first(req.text))
                 ready.sort(key=order)
             chosen = sorted(ready[:n])
             batch = [q.queue[i] for i in chosen]
