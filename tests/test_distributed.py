@@ -225,7 +225,9 @@ def test_task_delivered_twice_while_the_job_runs_is_not_rendered_twice(cluster, 
 
     book = corpora.long_book(tmp_path / "long.txt", chapters=2, sentences=60)
     port = services.free_port()
-    worker = cluster.start("worker", extra_env={"VOXBATCH_METRICS_PORT": str(port), "VOXBATCH_TONE_RTF": "0.03"})
+    # Slow enough that the rest of the job is still rendering when the duplicates (skipped, not rendered,
+    # so the RTF does not slow them) have run: at 0.03 a busy CI machine once saw the job end first.
+    worker = cluster.start("worker", extra_env={"VOXBATCH_METRICS_PORT": str(port), "VOXBATCH_TONE_RTF": "0.08"})
     cluster.start("assembler")
     job_id = cluster.submit(book)
     spec = cluster.spec(job_id)
