@@ -322,6 +322,7 @@ SWITCHES = {
     "lag": ("voxbatch.worker.cosyvoice2.torch_backend", "LOOK_LAG", int),
     "hift_quantum": ("voxbatch.worker.cosyvoice2.engine", "HIFT_FRAME_QUANTUM", int),
     "varlen": ("voxbatch.worker.cosyvoice2.flow_estimator", "VARLEN_ATTENTION", lambda v: v in ("1", "true")),
+    "packed": ("voxbatch.worker.cosyvoice2.llm", "PACKED_PREFILL", lambda v: v in ("1", "true")),
 }
 
 

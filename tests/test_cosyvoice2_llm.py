@@ -332,3 +332,158 @@ def test_tokenizer_reproduces_e2e_text_tokens(tiny_model_dir, ref, meta):
     tok = CosyVoice2Tokenizer.from_model_dir(tiny_model_dir)
     assert tok.encode(meta["e2e"]["normalized_text_segments"][0]) == ref["e2e_text_token"][0].tolist()
     assert tok.encode(meta["e2e"]["prompt_text_normalized"]) == ref["e2e_prompt_text_token"][0].tolist()
+
+
+# -- packed prefill --------------------------------------------------------------------------------
+
+
+def _causal_in_sdpa(q, k, v, cu_seq, longest):
+    """What the packed causal flash call computes, as SDPA per sequence: q (N, H, hd), k/v (N, KVH, hd)."""
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    bounds = cu_seq.tolist()
+    assert longest == max(b - a for a, b in zip(bounds, bounds[1:]))
+    for a, b in zip(bounds, bounds[1:]):
+        qs, ks, vs = (t[a:b].transpose(0, 1) for t in (q, k, v))  # (heads, L, hd)
+        o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=ks.shape[0] != qs.shape[0])
+        out[a:b] = o.transpose(0, 1)
+    return out
+
+
+@pytest.fixture
+def emulated_flash(monkeypatch) -> list[int]:
+    """The packed prefill's flash call replaced by its SDPA emulation on CPU fp32; returns a call log."""
+    from voxbatch.worker.cosyvoice2 import flash_varlen
+
+    calls: list[int] = []
+
+    def emulated(*args):
+        calls.append(1)
+        return _causal_in_sdpa(*args)
+
+    monkeypatch.setattr(flash_varlen, "_DEVICES", ("cpu",))
+    monkeypatch.setattr(flash_varlen, "_DTYPES", (torch.float32,))
+    monkeypatch.setattr(flash_varlen, "_causal", emulated)
+    return calls
+
+
+def _prompts(ref) -> list[tuple[list[int], list[int]]]:
+    return [(r.text_tokens, r.prompt_speech_tokens) for r in _mixed_requests(ref, greedy=True)]
+
+
+def test_packed_layout_puts_every_prompt_entry_in_place(ref):
+    """Each prompt at [cu_seq[b], cu_seq[b+1]) as [sos, text, task_id, speech], positions restarting at
+    0, every entry tagged with its prompt's cache row: checked entry by entry against the prompt lists."""
+    from voxbatch.worker.cosyvoice2.llm import SOS, TASK_ID, PackedPrompts
+
+    prompts, rows = _prompts(ref), [3, 0, 2]
+    p = PackedPrompts.of(prompts, rows, torch.device("cpu"))
+    kind = {}  # entry -> (table, id)
+    for at, ids, table in ((p.text_at, p.text_ids, "text"), (p.speech_at, p.speech_ids, "speech"), (p.special_at, p.special_ids, "special")):
+        for i, t in zip(at.tolist(), ids.tolist()):
+            assert i not in kind
+            kind[i] = (table, t)
+    want, cu = [], [0]
+    for (text, speech), row in zip(prompts, rows):
+        seq = [("special", SOS)] + [("text", t) for t in text] + [("special", TASK_ID)] + [("speech", s) for s in speech]
+        want += [(e, pos, row) for pos, e in enumerate(seq)]
+        cu.append(cu[-1] + len(seq))
+    assert p.total == len(want) and sorted(kind) == list(range(p.total))
+    assert [(kind[i], p.positions[i].item(), p.rows[i].item()) for i in range(p.total)] == want
+    assert p.cu_seq.dtype == torch.int32 and p.cu_seq.tolist() == cu
+    assert p.last.tolist() == [c - 1 for c in cu[1:]] and p.lengths.tolist() == [b - a for a, b in zip(cu, cu[1:])]
+    assert p.longest == max(p.lengths.tolist())
+
+
+@torch.inference_mode()
+def test_packed_prefill_equals_padded(tiny_model_dir, ref, seq_max, emulated_flash):
+    """With the flash call emulated on CPU fp32: same next-token log-probs as the padded prefill
+    (within LOGP_ATOL), the same K/V in every valid cache entry (1e-5), and greedy decoding from either
+    cache gives the same tokens."""
+    prompts, rows = _prompts(ref), [2, 0, 3]
+    caches = []
+    for packed in (False, True):
+        m = CosyVoice2LM.from_model_dir(tiny_model_dir)
+        m.setup_cache(batch_max=4, seq_max=seq_max)
+        if packed:
+            logp, lengths = m.prefill_packed(prompts, rows)
+        else:
+            embeds, lengths = m.embed_batch(prompts)
+            logp = m.prefill(embeds, lengths, rows=torch.tensor(rows))
+        # Greedy decoding over all 4 cache rows (decode_step's row b is cache row b); the unused row 1
+        # decodes garbage in its own row and is never compared.
+        full = torch.zeros((4, logp.shape[-1]))
+        full[rows] = logp
+        pos = torch.zeros(4, dtype=torch.long)
+        pos[rows] = lengths
+        tokens = []
+        for i in range(6):
+            tok = full.argmax(-1)
+            tokens.append(tok[rows].tolist())
+            full = m.decode_step(tok, pos + i)
+        caches.append((logp, lengths, m.cache_k.clone(), m.cache_v.clone(), tokens))
+    assert emulated_flash, "the packed path did not call flash"
+    (lp0, len0, k0, v0, t0), (lp1, len1, k1, v1, t1) = caches
+    assert torch.equal(len0, len1)
+    assert float((lp0 - lp1).abs().max()) <= LOGP_ATOL
+    for row, n in zip(rows, len0.tolist()):
+        assert float((k0[:, row, :, :n] - k1[:, row, :, :n]).abs().max()) <= 1e-5
+        assert float((v0[:, row, :, :n] - v1[:, row, :, :n]).abs().max()) <= 1e-5
+    assert t0 == t1
+
+
+@pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "ras"])
+def test_backend_tokens_same_packed_or_padded(tiny_model_dir, backend, ref, seq_max, emulated_flash, greedy):
+    """The backend with packed prefill (flash emulated) gives every request the tokens of the padded
+    backend, through refills (6 requests, 2 rows)."""
+    two_rows = TorchLlmBackend(CosyVoice2LM.from_model_dir(tiny_model_dir), max_batch=2, max_seq=seq_max, sync_every=4)
+    reqs = [LlmRequest(**{**q.__dict__, "seed": 90 + i}) for i, q in enumerate(_mixed_requests(ref, greedy) * 2)]
+    got = {r.index: r.tokens for r in two_rows.generate(reqs)}
+    assert emulated_flash, "the packed path did not run"
+    assert [got[i] for i in range(6)] == [next(iter(backend.generate([q]))).tokens for q in reqs]
+
+
+def test_failed_flash_falls_back_to_padded(tiny_model_dir, backend, ref, seq_max, monkeypatch, caplog):
+    """A flash call that raises is logged once, turned off, and the backend prefills padded: same tokens."""
+    from voxbatch.worker.cosyvoice2 import flash_varlen
+
+    def broken(*args):
+        raise RuntimeError("no flash in this build")
+
+    monkeypatch.setattr(flash_varlen, "_DEVICES", ("cpu",))
+    monkeypatch.setattr(flash_varlen, "_DTYPES", (torch.float32,))
+    monkeypatch.setattr(flash_varlen, "_causal", broken)
+    reqs = _mixed_requests(ref, greedy=True)
+    fresh = TorchLlmBackend(CosyVoice2LM.from_model_dir(tiny_model_dir), max_batch=4, max_seq=seq_max)
+    with caplog.at_level("WARNING"):
+        got = {r.index: r.tokens for r in fresh.generate(reqs)}
+    assert flash_varlen._causal is False
+    assert sum("packed flash attention unavailable" in r.message for r in caplog.records) == 1
+    assert got == {r.index: r.tokens for r in backend.generate(reqs)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_packed_prefill_on_gpu_as_close_as_padded(tiny_model_dir, ref, seq_max, dtype, monkeypatch):
+    """CUDA, real flash: the packed prefill's log-probs are as close to the fp32 padded prefill as the
+    padded prefill in the same dtype is: max abs error <= 2x padded's + 1e-2."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from voxbatch.worker.cosyvoice2 import flash_varlen
+
+    monkeypatch.setattr(flash_varlen, "_causal", None)  # resolve afresh: a failure shows here
+    prompts, rows = _prompts(ref), [1, 3, 0]
+    out = {}
+    with torch.inference_mode():
+        for name, dt in (("ref", torch.float32), ("padded", dtype), ("packed", dtype)):
+            m = CosyVoice2LM.from_model_dir(tiny_model_dir, device="cuda", dtype=dt)
+            m.setup_cache(batch_max=4, seq_max=seq_max)
+            if name == "packed":
+                out[name] = m.prefill_packed(prompts, rows)[0].cpu()
+            else:
+                embeds, lengths = m.embed_batch(prompts)
+                out[name] = m.prefill(embeds, lengths, rows=torch.tensor(rows, device="cuda")).cpu()
+    assert flash_varlen._causal not in (None, False), "flash did not run"
+    err_padded = float((out["padded"] - out["ref"]).abs().max())
+    err_packed = float((out["packed"] - out["ref"]).abs().max())
+    assert torch.isfinite(out["packed"]).all()
+    assert err_packed <= 2 * err_padded + 1e-2, (err_packed, err_padded)

@@ -110,3 +110,48 @@ def padded_attention(qkv: torch.Tensor, rows: PaddedRows) -> torch.Tensor | None
         _flash = False
         return None
     return out.reshape(B, T, H, D)
+
+
+# -- packed causal attention (the LLM's prefill) ------------------------------------------------------
+#
+# The LLM's prefill runs B prompts of different lengths. Padded to the longest, SDPA with a (B, 1, T, T)
+# boolean mask computes every padded query and key, and cuDNN builds a new plan for every new (B, T):
+# on the H200 ~20% of the engine thread's samples sat in that one SDPA line. Laid end to end instead
+# (N = sum of the lengths, no padding), one flash varlen call with is_causal=True and the prompts'
+# starts as `cu_seq` on both sides does the same attention: flash takes grouped-query K/V (KVH heads
+# dividing H) as they are, and a causal row never sees past its own prompt.
+
+CausalCall = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
+_causal: CausalCall | None | bool = None  # the resolved call; False once it is known not to work here
+
+
+def _aten_causal() -> CausalCall:
+    op = torch.ops.aten._flash_attention_forward
+
+    def call(q, k, v, cu_seq, longest):
+        return op(q, k, v, cu_seq, cu_seq, longest, longest, 0.0, True, False)[0]
+
+    return call
+
+
+def packed_causal_ready(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `packed_causal_attention` may run for activations on `device` in `dtype`."""
+    return _causal is not False and device.type in _DEVICES and dtype in _DTYPES
+
+
+def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq: torch.Tensor, longest: int) -> torch.Tensor | None:
+    """q (N, H, D), k and v (N, KVH, D): sequences laid end to end, sequence b at [cu_seq[b],
+    cu_seq[b+1]) (int32, (B+1,)), `longest` the longest of them -> (N, H, D), each position attending to
+    its own sequence's positions up to itself. None where flash cannot run here (the caller pads)."""
+    global _causal
+    if not packed_causal_ready(q.device, q.dtype):
+        return None
+    try:
+        if _causal is None:
+            _causal = _aten_causal()
+            log.info("llm prefill: packed causal flash varlen via aten")
+        return _causal(q, k, v, cu_seq, longest)
+    except Exception as e:  # noqa: BLE001 - no flash here: the padded prefill still works
+        log.warning("packed flash attention unavailable (%s: %s); the LLM prefill pads its prompts", type(e).__name__, e)
+        _causal = False
+        return None

@@ -29,6 +29,7 @@ from torch import Tensor
 
 from voxbatch.models import RAS_TAU_R, RAS_TOP_K, RAS_TOP_P, RAS_WIN_SIZE
 from voxbatch.worker.cosyvoice2.checkpoint import read_config, section
+from voxbatch.worker.cosyvoice2.h2d import to_device
 
 _M32 = 0xFFFFFFFF
 _DRAW_NUCLEUS, _DRAW_FULL = 1, 2  # stream ids of the two uniforms drawn at each step
@@ -70,8 +71,8 @@ def _mix32(x: Tensor) -> Tensor:
 def seed_keys(seeds: list[int], device: torch.device | str) -> Tensor:
     """Per-row 32-bit keys (B,) int64 from arbitrary Python-int seeds (folded to 64 bits first)."""
     lo_hi = [((s & (2**64 - 1)) & _M32, ((s & (2**64 - 1)) >> 32) & _M32) for s in seeds]
-    lo = torch.tensor([a for a, _ in lo_hi], dtype=torch.int64, device=device)
-    hi = torch.tensor([b for _, b in lo_hi], dtype=torch.int64, device=device)
+    lo = to_device([a for a, _ in lo_hi], torch.int64, device)
+    hi = to_device([b for _, b in lo_hi], torch.int64, device)
     return _mix32(_mix32(lo) ^ hi)
 
 
@@ -228,11 +229,11 @@ class BatchSampler:
             raise ValueError(f"win_size above the batch's window {self.window}")
         dev = self.keys.device
         self.keys[rows] = seed_keys(seeds, dev)
-        self.top_p[rows] = torch.tensor([c.top_p for c in configs], device=dev)
-        self.top_k[rows] = torch.tensor([c.top_k for c in configs], device=dev)
-        self.win_size[rows] = torch.tensor([c.win_size for c in configs], device=dev)
-        self.tau_r[rows] = torch.tensor([c.tau_r for c in configs], device=dev)
-        self.greedy[rows] = torch.tensor(greedy, device=dev)
+        self.top_p[rows] = to_device([c.top_p for c in configs], torch.float32, dev)
+        self.top_k[rows] = to_device([c.top_k for c in configs], torch.int64, dev)
+        self.win_size[rows] = to_device([c.win_size for c in configs], torch.int64, dev)
+        self.tau_r[rows] = to_device([c.tau_r for c in configs], torch.float32, dev)
+        self.greedy[rows] = to_device(greedy, torch.bool, dev)
 
     def __call__(self, logp: Tensor, n_decoded: Tensor, min_tokens: Tensor, recent: Tensor) -> Tensor:
         """logp (B, V), n_decoded (B,), min_tokens (B,), recent (B, W) -> tokens (B,)."""

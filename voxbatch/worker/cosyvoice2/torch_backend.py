@@ -10,7 +10,7 @@ H200 (BENCHMARKS.md). The host knows which width the longest live row needs (pro
 since its prefill) and looks at the device only every `sync_every` steps or at a step where some row
 reaches max_tokens. At each look it yields the rows that stopped and prefills waiting requests into
 freed rows (continuous batching), in groups of at least `rows // refill_div` so prefill runs as a few
-batched calls. `stream` takes that work from a feed (the engine's intake) instead of a fixed list, so
+batched calls (prompts packed end to end where flash runs, `CosyVoice2LM.prefill_packed`). `stream` takes that work from a feed (the engine's intake) instead of a fixed list, so
 rows refill across task boundaries and the row count grows while more work waits. Rows that stop between looks keep decoding into their own cache row: wasted work, but
 no host sync per step; their extra tokens are never read.
 
@@ -35,7 +35,8 @@ from pathlib import Path
 import torch
 
 from voxbatch.worker import timeline
-from voxbatch.worker.cosyvoice2.llm import CosyVoice2LM
+from voxbatch.worker.cosyvoice2.h2d import to_device
+from voxbatch.worker.cosyvoice2.llm import CosyVoice2LM, FlashUnavailable
 from voxbatch.worker.cosyvoice2.llm_backend import Feed, ListFeed, LlmBackend, LlmRequest, LlmResult
 from voxbatch.worker.cosyvoice2.sampling import BatchSampler, RasConfig
 
@@ -135,12 +136,21 @@ class _Rows:
     def fill(self, slots: list[int], requests: list[LlmRequest]) -> None:
         """Prefill requests into free rows and reset those rows' state."""
         dev = self.logp.device
-        rows = torch.tensor(slots, device=dev)
-        embeds, lengths = self.model.embed_batch([(r.text_tokens, r.prompt_speech_tokens) for r in requests])
-        self.logp[rows] = self.model.prefill(embeds, lengths, rows=rows)
+        rows = to_device(slots, torch.long, dev)
+        prompts = [(r.text_tokens, r.prompt_speech_tokens) for r in requests]
+        logp = None
+        if self.model.packed_ready():
+            try:
+                logp, lengths = self.model.prefill_packed(prompts, slots)
+            except FlashUnavailable:
+                pass  # logged once by flash_varlen; padded from now on
+        if logp is None:
+            embeds, lengths = self.model.embed_batch(prompts)
+            logp = self.model.prefill(embeds, lengths, rows=rows)
+        self.logp[rows] = logp
         self.lengths[rows] = lengths
-        self.min_tokens[rows] = torch.tensor([r.min_tokens for r in requests], device=dev)
-        self.max_tokens[rows] = torch.tensor([r.max_tokens for r in requests], device=dev)
+        self.min_tokens[rows] = to_device([r.min_tokens for r in requests], torch.long, dev)
+        self.max_tokens[rows] = to_device([r.max_tokens for r in requests], torch.long, dev)
         self.recent[rows] = -1
         self.n_out[rows] = 0
         self.alive[rows] = True
