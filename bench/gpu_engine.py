@@ -623,30 +623,38 @@ class Bench:
 
     def vllm_stage(self) -> dict:
         """The vLLM backend's batch sweep, then the vLLM and torch backends over the same mixed-length
-        corpus with the same rows (the largest batch), in this one run: tokens/s each and the ratio.
+        corpus with the same rows (the largest batch), in this one run: in the order given and in the
+        engine intake's order (longest text first), tokens/s each and the ratios; and vLLM with
+        outputs built at every step (vllm_backend.FINAL_ONLY off) beside the shipped final-only.
         The torch backend runs first and frees its KV cache before vLLM takes its share of the GPU."""
+        from voxbatch.worker.cosyvoice2 import vllm_backend
+        from voxbatch.worker.cosyvoice2.streaming import longest_first
         from voxbatch.worker.cosyvoice2.vllm_backend import VllmLlmBackend, VllmOptions
 
         B = max(self.args.llm_batches)
-        corpus = [llm_request(s.text, 1000 + i, self.prompt, self.text_vocab) for i, s in enumerate(self.corpus)]
+        given = [llm_request(s.text, 1000 + i, self.prompt, self.text_vocab) for i, s in enumerate(self.corpus)]
+        orders = {"given order": given,
+                  "longest text first": [q for _, q in sorted(zip(self.corpus, given), key=lambda p: longest_first(p[0].text))]}
         backend = TorchLlmBackend(self.llm, B, self.max_seq, bucket_batches=False)
         backend.warmup()  # the B-row graphs, captured before the clock starts (vLLM gets a warm-up too)
         list(backend.generate(self._fixed_requests(B, 8)))
-        by_torch = self._measure(backend, corpus)
-        by_torch.update(impl="torch (graphs), continuous, corpus", batch=B)
+        by_torch = {}
+        for order, reqs in orders.items():
+            by_torch[order] = self._measure(backend, reqs)
+            by_torch[order].update(impl=f"torch (graphs), continuous, corpus, {order}", batch=B)
+            print(f"  llm torch corpus B={B:4d} {order}: {by_torch[order]['tokens_per_s']:10.1f} tok/s", flush=True)
         backend.close()
         del backend
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        print(f"  llm torch corpus B={B:4d} {by_torch['tokens_per_s']:10.1f} tok/s", flush=True)
 
         save_llm(self.llm, self.model_dir)
         t = time.perf_counter()
         backend = VllmLlmBackend(self.model_dir, VllmOptions(gpu_memory_utilization=self.args.vllm_mem, max_model_len=self.max_seq,
                                                              max_num_seqs=B, export_cache_dir=str(self.tmp / "vllm-export")))
         startup = time.perf_counter() - t
-        rows = []
+        rows, by_vllm = [], {}
         try:
             list(backend.generate(self._fixed_requests(4, 8)))
             for b in self.args.llm_batches:
@@ -654,16 +662,27 @@ class Bench:
                 r.update(impl="vllm", batch=b)
                 rows.append(r)
                 print(f"  llm vllm B={b:4d} {r['tokens_per_s']:10.1f} tok/s", flush=True)
-            by_vllm = self._measure(backend, corpus)
-            by_vllm.update(impl="vllm, continuous, corpus", batch=B)
-            rows += [by_vllm, by_torch]
+            for order, reqs in orders.items():
+                by_vllm[order] = self._measure(backend, reqs)
+                by_vllm[order].update(impl=f"vllm, continuous, corpus, {order}", batch=B)
+                print(f"  llm vllm corpus B={B:4d} {order}: {by_vllm[order]['tokens_per_s']:10.1f} tok/s", flush=True)
+            vllm_backend.FINAL_ONLY = False
+            try:
+                every_step = self._measure(backend, orders["longest text first"])
+            finally:
+                vllm_backend.FINAL_ONLY = True
+            every_step.update(impl="vllm, continuous, corpus, longest text first, an output per request per step (FINAL_ONLY off)", batch=B)
+            rows += [*by_vllm.values(), every_step, *by_torch.values()]
         finally:
             backend.close()
-        ratio = round(by_vllm["tokens_per_s"] / by_torch["tokens_per_s"], 3)
-        print(f"  llm corpus B={B}: vllm {by_vllm['tokens_per_s']:.1f} / torch {by_torch['tokens_per_s']:.1f} tok/s = {ratio}", flush=True)
-        corpus_cmp = {"rows": B, "requests": len(corpus), "vllm_tokens_per_s": by_vllm["tokens_per_s"],
-                      "torch_tokens_per_s": by_torch["tokens_per_s"], "vllm_over_torch": ratio,
-                      "tokens": {"vllm": by_vllm["tokens"], "torch": by_torch["tokens"]}}
+        ratios = {order: round(by_vllm[order]["tokens_per_s"] / by_torch[order]["tokens_per_s"], 3) for order in orders}
+        for order, ratio in ratios.items():
+            print(f"  llm corpus B={B} {order}: vllm / torch = {ratio}", flush=True)
+        intake = "longest text first"
+        corpus_cmp = {"rows": B, "requests": len(given), "order": f"{intake} (the engine intake's order)",
+                      "vllm_tokens_per_s": by_vllm[intake]["tokens_per_s"], "torch_tokens_per_s": by_torch[intake]["tokens_per_s"],
+                      "vllm_over_torch": ratios[intake], "vllm_over_torch_by_order": ratios,
+                      "tokens": {"vllm": by_vllm[intake]["tokens"], "torch": by_torch[intake]["tokens"]}}
         return {"startup_s": round(startup, 1), "rows": rows, "corpus": corpus_cmp, "gpu_memory_utilization": self.args.vllm_mem}
 
     # -- where the GPU time goes ----------------------------------------------------------------------------
@@ -1148,7 +1167,7 @@ def table(results: dict) -> str:
         if "vllm" in st and "startup_s" in st["vllm"]:
             lines.append(f"\nvLLM engine start-up {st['vllm']['startup_s']} s")
             vc = st["vllm"]["corpus"]
-            lines.append(f"\nmixed-length corpus, {vc['requests']} requests, {vc['rows']} rows, one run: vLLM {vc['vllm_tokens_per_s']:,.0f} "
+            lines.append(f"\nmixed-length corpus ({vc.get('order', 'given order')}), {vc['requests']} requests, {vc['rows']} rows, one run: vLLM {vc['vllm_tokens_per_s']:,.0f} "
                          f"tokens/s, torch {vc['torch_tokens_per_s']:,.0f} tokens/s, vLLM / torch = {vc['vllm_over_torch']}")
         lines.append("")
     if "variants" in st.get("parts", {}):

@@ -238,8 +238,9 @@ def llm_section(stage: str, st: dict, name: str, r: dict) -> list[str]:
     tail = ["", f"vLLM start-up {st['startup_s']} s, gpu_memory_utilization {st['gpu_memory_utilization']}."] if "startup_s" in st else []
     if "corpus" in st:  # the vllm stage's same-run comparison with the torch backend
         c = st["corpus"]
-        tail += ["", f"Mixed-length corpus, {num(c['requests'])} requests at {c['rows']} rows, one run: vLLM **{num(c['vllm_tokens_per_s'], 0)}** "
-                     f"tokens/s, torch backend **{num(c['torch_tokens_per_s'], 0)}**; vLLM / torch = {c['vllm_over_torch']}."]
+        tail += ["", f"Mixed-length corpus ({c.get('order', 'given order')}), {num(c['requests'])} requests at {c['rows']} rows, one run: "
+                     f"vLLM **{num(c['vllm_tokens_per_s'], 0)}** tokens/s, torch backend **{num(c['torch_tokens_per_s'], 0)}**; "
+                     f"vLLM / torch = {c['vllm_over_torch']}."]
     return head + table(["impl", "rows", "requests", "tokens", "s", "tokens/s", "peak GiB"], rows) + tail
 
 
@@ -256,12 +257,12 @@ def vllm_runs(results: dict[str, dict]) -> list[str]:
         B = c["rows"]
         extra = "; ".join(f"{x['impl']}: {num(x['tokens_per_s'], 0)}" for x in st["rows"]
                           if x["impl"].startswith("vllm, continuous, corpus,"))
-        rows.append([f"`{name}`", r["commit"][:7], num(fixed.get(B), 0), f"**{num(c['vllm_tokens_per_s'], 0)}**",
+        rows.append([f"`{name}`", r["commit"][:7], c.get("order", "given order"), num(fixed.get(B), 0), f"**{num(c['vllm_tokens_per_s'], 0)}**",
                      num(c["torch_tokens_per_s"], 0), str(c["vllm_over_torch"]), extra or "–"])
     if not rows:
         return []
     return ["vLLM against the torch backend in each committed run (corpus rows: the mixed-length corpus at the same rows):", "",
-            *table(["result", "commit", "vLLM fixed", "vLLM corpus", "torch corpus", "vLLM / torch", "same-run variants"], rows)]
+            *table(["result", "commit", "corpus order", "vLLM fixed", "vLLM corpus", "torch corpus", "vLLM / torch", "same-run variants"], rows)]
 
 
 def parts_section(stage: str, st: dict, name: str, r: dict) -> list[str]:
