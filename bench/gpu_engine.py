@@ -624,10 +624,7 @@ class Bench:
     def vllm_stage(self) -> dict:
         """The vLLM backend's batch sweep, then the vLLM and torch backends over the same mixed-length
         corpus with the same rows (the largest batch), in this one run: in the order given and in the
-        engine intake's order (longest text first), tokens/s each and the ratios; and vLLM with
-        outputs built at every step (vllm_backend.FINAL_ONLY off) beside the shipped final-only.
-        The torch backend runs first and frees its KV cache before vLLM takes its share of the GPU."""
-        from voxbatch.worker.cosyvoice2 import vllm_backend
+        engine intake's order (longest text first), tokens/s each and the ratios. The torch backend runs first and frees its KV cache before vLLM takes its share of the GPU."""
         from voxbatch.worker.cosyvoice2.streaming import longest_first
         from voxbatch.worker.cosyvoice2.vllm_backend import VllmLlmBackend, VllmOptions
 
@@ -666,13 +663,7 @@ class Bench:
                 by_vllm[order] = self._measure(backend, reqs)
                 by_vllm[order].update(impl=f"vllm, continuous, corpus, {order}", batch=B)
                 print(f"  llm vllm corpus B={B:4d} {order}: {by_vllm[order]['tokens_per_s']:10.1f} tok/s", flush=True)
-            vllm_backend.FINAL_ONLY = False
-            try:
-                every_step = self._measure(backend, orders["longest text first"])
-            finally:
-                vllm_backend.FINAL_ONLY = True
-            every_step.update(impl="vllm, continuous, corpus, longest text first, an output per request per step (FINAL_ONLY off)", batch=B)
-            rows += [*by_vllm.values(), every_step, *by_torch.values()]
+            rows += [*by_vllm.values(), *by_torch.values()]
         finally:
             backend.close()
         ratios = {order: round(by_vllm[order]["tokens_per_s"] / by_torch[order]["tokens_per_s"], 3) for order in orders}

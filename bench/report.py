@@ -234,7 +234,7 @@ def llm_section(stage: str, st: dict, name: str, r: dict) -> list[str]:
              num(x.get("peak_gpu_gib"))] for x in st["rows"]]
     backend = "vLLM" if stage == "vllm" else "torch backend"
     head = [f"### LLM stage, {backend}: speech tokens/s", "", f"From {source(name, r)}; fixed rows decode {st.get('fixed_tokens', r['settings']['llm_tokens'])} tokens "
-            "each, the `continuous` row is the mixed-length corpus in given order.", ""]
+            "each, the `continuous` rows are the mixed-length corpus (in given order unless the row names another).", ""]
     tail = ["", f"vLLM start-up {st['startup_s']} s, gpu_memory_utilization {st['gpu_memory_utilization']}."] if "startup_s" in st else []
     if "corpus" in st:  # the vllm stage's same-run comparison with the torch backend
         c = st["corpus"]

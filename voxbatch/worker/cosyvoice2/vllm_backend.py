@@ -34,11 +34,6 @@ from voxbatch.worker.cosyvoice2.vllm_export import export_for_vllm
 
 log = logging.getLogger(__name__)
 
-# Ask vLLM for a request's output only when it finishes (RequestOutputKind.FINAL_ONLY). The default
-# (CUMULATIVE) builds a RequestOutput for every running request at every step, 256 Python objects a
-# step at 256 rows, which the driver thread then skips; False keeps that default (the bench's A/B).
-FINAL_ONLY = True
-
 
 class PromptEmbedder:
     """The three embedding tables of `llm.pt` the prompt needs, kept on CPU."""
@@ -172,7 +167,6 @@ class VllmLlmBackend(LlmBackend):
 
     def _sampling_params(self, r: LlmRequest) -> Any:
         from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
 
         from voxbatch.worker.cosyvoice2.ras import RasParams, ras_extra_args
 
@@ -195,7 +189,6 @@ class VllmLlmBackend(LlmBackend):
             stop_token_ids=list(self.dims.stop_ids),
             detokenize=False,
             extra_args=ras_extra_args(ras),
-            output_kind=RequestOutputKind.FINAL_ONLY if FINAL_ONLY else RequestOutputKind.CUMULATIVE,
         )
 
     def close(self) -> None:
