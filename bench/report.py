@@ -151,7 +151,9 @@ def headline_block(results: dict[str, dict]) -> str:
                      x, f"**{vs(run['x_realtime'])}**" if i == 0 else vs(run["x_realtime"]), num(run.get("gpu_busy_pct")),
                      num(r.get("llm_tokens_per_s_corpus"), 0) if i == 0 else ""])
     for run in st.get("engine", {}).get("runs", {}).values():
-        rows.append([f"the same engine through the Pipeline, no broker (`{run['config']}`)", str(run["task_size"]), num(run["segments"]),
+        reps = run.get("repeats", [])
+        median = f"; median of {len(reps)} runs: {', '.join(str(x['x_realtime']) for x in reps)}" if len(reps) > 1 else ""
+        rows.append([f"the same engine through the Pipeline, no broker (`{run['config']}`{median})", str(run["task_size"]), num(run["segments"]),
                      num(run["audio_s"]), num(run["wall_s"]), str(run["x_realtime"]), vs(run["x_realtime"]),
                      num(run.get("gpu_busy_pct")), ""])
     if base_x:

@@ -69,3 +69,25 @@ def test_every_stage_runs_on_cpu_and_the_result_has_a_headline(tmp_path, tiny_mo
         assert run["alone_rerun_identical"] == "2/2"
     assert set(inv["decision"]) >= {"fp32_x_realtime_cost_pct", "fp32_llm_cost_pct", "bfloat16", "float32", "recommend"}
     assert "## Re-render identity" in (tmp_path / "gpu_engine.md").read_text()
+
+
+def test_repeated_engine_configuration_is_an_error(tmp_path):
+    out = bench(tmp_path, "--tiny", "--device", "cpu", "--stages", "engine", "--engine-runs", "task=2", "task=2", timeout=120)
+    assert out.returncode == 2 and "--engine-repeats" in out.stderr
+
+
+def test_engine_repeats_alternate_the_order_and_keep_the_median(tmp_path, tiny_model_dir):
+    """Two configurations, two passes: run order A B B A; each configuration's record is one of its
+    own runs (the lower median) and lists both runs with their places in the order."""
+    out = bench(tmp_path, "--tiny", "--device", "cpu", "--segments", "4", "--max-s", "3", "--stages", "engine",
+                "--engine-runs", "rows=4,flow=2,task=2", "rows=4,flow=2,task=2,merge=0", "--engine-repeats", "2",
+                "--fixture-yaml", str(tiny_model_dir / "cosyvoice2.yaml"), "--budget-s", "3000")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    r = json.loads((tmp_path / "gpu_engine.json").read_text())
+    engine = r["stages"]["engine"]
+    assert engine["repeats"] == 2 and list(engine["runs"]) == ["rows=4,flow=2,task=2", "rows=4,flow=2,task=2,merge=0"]
+    places = {spec: sorted(x["position"] for x in run["repeats"]) for spec, run in engine["runs"].items()}
+    assert places == {"rows=4,flow=2,task=2": [0, 3], "rows=4,flow=2,task=2,merge=0": [1, 2]}
+    for run in engine["runs"].values():
+        figures = sorted(x["x_realtime"] for x in run["repeats"])
+        assert run["x_realtime"] == figures[0] and run["failed"] == 0

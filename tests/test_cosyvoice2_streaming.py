@@ -203,3 +203,29 @@ def test_torch_backend_grows_its_rows_and_gives_the_same_tokens(engine):
     got = dict(backend.stream(TrickleFeed(requests)))
     assert got == want
     assert sorted(backend._states) == [1, 2, 4, 8]  # grew while decoding, never past max_batch
+
+
+@pytest.mark.parametrize("merge", [True, False], ids=["tail_merge", "bucket_by_bucket"])
+def test_vocoder_tail_batches(monkeypatch, merge):
+    """With the LLM out of work, the vocoder's batches at the end: the longest bucket together with the
+    bucket within a doubling below it, up to flow_batch rows (TAIL_MERGE), else one bucket at a time.
+    Every row is handed out exactly once, longest first."""
+    from types import SimpleNamespace
+
+    from voxbatch.worker.cosyvoice2 import streaming
+
+    monkeypatch.setattr(streaming, "TAIL_MERGE", merge)
+    monkeypatch.setattr(streaming, "BUCKETS_PER_OCTAVE", 2)
+    sched = SimpleNamespace(engine=SimpleNamespace(flow_batch=4, max_batch=8), llm_rows=lambda: 0)
+    vocoder = streaming._Vocoder(sched)
+    for n in (200, 150, 120, 100, 40, 210, 205, 202):  # buckets (2 per octave): 15: 200/210/205/202, 14: 150, 13: 120/100, 10: 40
+        vocoder.put(SimpleNamespace(tokens=[0] * n))
+    batches = []
+    while vocoder.buckets:
+        batch, _ = vocoder._next()
+        batches.append([len(item.tokens) for item in batch])
+    if merge:  # bucket 15 fills a batch alone; then 14 takes 13's rows (within a doubling); 10 is alone
+        assert batches == [[200, 210, 205, 202], [150, 120, 100], [40]]
+    else:
+        assert batches == [[200, 210, 205, 202], [150], [120, 100], [40]]
+    assert vocoder.pending == 8 and not vocoder.since

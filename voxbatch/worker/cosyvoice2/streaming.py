@@ -49,6 +49,10 @@ POLL_S = 0.05  # how long an idle LLM thread waits on the intake before looking 
 LLM_STREAM_PRIORITY = -1
 BUCKETS_PER_OCTAVE = 2  # flow length buckets per doubling of length (1: within 2x, 2: within 1.41x)
 IDLE_BATCH_DIV = 4  # an idle vocoder runs a bucket holding flow_batch / this many rows (0: wait for full/old)
+# When the LLM has less than a flow batch left (the end of the work), an idle vocoder runs the longest
+# bucket together with the rows of the buckets within a doubling of it (up to flow_batch rows), instead
+# of one small bucket after another: few rows per kernel leave the GPU waiting on launches.
+TAIL_MERGE = True
 LONGEST_FIRST = True  # refill LLM rows with the longest waiting texts first (shorter tail at the end of the work)
 MAX_WAIT_S = 10.0  # ... unless a request has waited this long: then it goes first, whatever its length
 
@@ -238,6 +242,8 @@ class _Vocoder:
                         self.since[key] = now
                     return batch, started
                 if self.buckets:
+                    if TAIL_MERGE and self._llm_nearly_done():
+                        return self._tail()
                     key = self._partial(now)
                     if key is not None:
                         return self.buckets.pop(key), self.since.pop(key)
@@ -250,7 +256,7 @@ class _Vocoder:
         when the LLM has too little left to fill a bucket; else the longest of those whose oldest row
         waited FLUSH_AFTER_S; else the fullest holding flow_batch / IDLE_BATCH_DIV rows, rather than
         leaving flow/HiFT's stream empty while it fills (the start of the work, gaps later)."""
-        if self.draining or self.closing or self.s.llm_rows() < self.flow_batch:
+        if self._llm_nearly_done():
             return max(self.buckets)
         old = [k for k, t in self.since.items() if now - t >= FLUSH_AFTER_S]
         if old:
@@ -260,6 +266,28 @@ class _Vocoder:
             if len(self.buckets[fullest]) >= max(1, self.flow_batch // IDLE_BATCH_DIV):
                 return fullest
         return None
+
+    def _llm_nearly_done(self) -> bool:
+        """Too little left in the LLM and the intake to fill a flow bucket (or a drain/close asks)."""
+        return bool(self.draining or self.closing or self.s.llm_rows() < self.flow_batch)
+
+    def _tail(self) -> tuple[list, float]:
+        """The longest bucket plus, longest first, the rows of the buckets within a doubling of its
+        length, up to flow_batch rows (TAIL_MERGE); the batch's start is its oldest row's."""
+        top = max(self.buckets)
+        batch: list = []
+        started = self.since[top]
+        for key in sorted((k for k in self.buckets if k > top - BUCKETS_PER_OCTAVE), reverse=True):
+            rows = self.buckets[key]
+            n = self.flow_batch - len(batch)
+            batch += rows[:n]
+            started = min(started, self.since[key])
+            if len(rows) <= n:
+                del self.buckets[key], self.since[key]
+            else:
+                self.buckets[key], self.since[key] = rows[n:], time.perf_counter()
+                break
+        return batch, started
 
     def _loop(self) -> None:
         engine = self.s.engine
