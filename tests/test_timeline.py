@@ -30,3 +30,29 @@ def test_events_are_logged_only_when_configured_and_read_back_per_window(caplog)
     assert s["first_admit_s"] == 0.0 and s["admit_events"] == 1 and s["llm_refill_events"] == 0 and s["first_llm_refill_s"] is None
     assert s["first_vocode_end_s"] >= s["first_vocode_start_s"] >= s["first_llm_session_s"] >= 0
     assert timeline.read(lines, t0 + 3600, t0 + 7200) == []  # another job's window sees none of them
+
+
+def test_full_collections_are_events_while_on(caplog):
+    """With the timeline on, a full garbage collection logs `gc2 <ms>`; off, the hook is gone and logs
+    nothing; the summary adds up the pauses."""
+    import gc
+
+    caplog.set_level(logging.INFO)
+    timeline.configure(True)
+    try:
+        assert gc.callbacks.count(timeline._on_gc) == 1
+        timeline.configure(True)  # idempotent
+        assert gc.callbacks.count(timeline._on_gc) == 1
+        gc.collect(2)
+    finally:
+        timeline.configure(False)
+    assert timeline._on_gc not in gc.callbacks
+    gc.collect(2)
+    lines = [r.getMessage() for r in caplog.records if r.name == "voxbatch.timeline"]
+    assert len([line for line in lines if line.startswith("timeline gc2 ")]) == 1, lines
+    t0 = float(lines[0].rsplit(" ", 1)[1])
+    events = timeline.read(lines, t0 - 1, t0 + 60)
+    s = timeline.summary(events + [(0.5, "gc2", 120), (0.7, "gc1", 3)])
+    (pause,) = [n for _, e, n in events if e == "gc2"]
+    assert s["gc2_events"] == 2 and s["gc1_events"] >= 1
+    assert s["gc_longest_ms"] == max(120, pause) and s["gc_pause_ms"] >= 123 + pause

@@ -7,10 +7,16 @@ stage reads them back from the worker's log and sets each job's first admission,
 first audio beside its GPU utilisation samples: the GPU sat idle for the first 0.4-1.0 s of every
 job (bench/results/gpu_h200_worker5.json), and these say which step of the start that was. A few lines
 per batch, never one per decode step; when off, an event costs one level check.
+
+When on, Python's garbage collections that stop every thread long enough to matter are events too:
+`gc2 <ms>` for each full collection and `gc1 <ms>` for a generation-1 one of at least GC1_MIN_MS
+(a full collection took 120-130 ms in an earlier worker run; a pause that long leaves the GPU's
+queues to run dry).
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import re
 import time
@@ -19,10 +25,31 @@ log = logging.getLogger("voxbatch.timeline")
 log.setLevel(logging.WARNING)  # off until `configure(True)`
 LINE = re.compile(r"timeline (\w+) (\d+) ([0-9.]+)$")
 EVENTS = ("admit", "llm_session", "llm_refill", "vocode_start", "vocode_end")
+GC_EVENTS = ("gc1", "gc2")  # count = the pause in milliseconds
+GC1_MIN_MS = 2.0
+_gc_started = 0.0
+
+
+def _on_gc(phase: str, info: dict) -> None:
+    """gc.callbacks hook: a collection of generation 1 or 2 as an event with its pause in ms."""
+    global _gc_started
+    generation = info.get("generation", 0)
+    if generation < 1:
+        return
+    if phase == "start":
+        _gc_started = time.perf_counter()
+        return
+    ms = (time.perf_counter() - _gc_started) * 1000.0
+    if generation == 2 or ms >= GC1_MIN_MS:
+        event(f"gc{generation}", round(ms))
 
 
 def configure(enabled: bool) -> None:
     log.setLevel(logging.INFO if enabled else logging.WARNING)
+    if enabled and _on_gc not in gc.callbacks:
+        gc.callbacks.append(_on_gc)
+    elif not enabled and _on_gc in gc.callbacks:
+        gc.callbacks.remove(_on_gc)
 
 
 def event(name: str, count: int = 0) -> None:
@@ -41,7 +68,10 @@ def read(lines, start: float, end: float) -> list[tuple[float, str, int]]:
 
 
 def summary(events: list[tuple[float, str, int]]) -> dict[str, float | int | None]:
-    """First time of each event kind (seconds since the job's start), and how many of each."""
+    """First time of each event kind (seconds since the job's start), how many of each, and the
+    garbage collections' pauses (total and longest, ms)."""
     first = {name: next((round(t, 3) for t, e, _ in events if e == name), None) for name in EVENTS}
+    pauses = [n for _, e, n in events if e in GC_EVENTS]
     return {**{f"first_{name}_s": t for name, t in first.items()},
-            **{f"{name}_events": sum(1 for _, e, _ in events if e == name) for name in EVENTS}}
+            **{f"{name}_events": sum(1 for _, e, _ in events if e == name) for name in EVENTS + GC_EVENTS},
+            "gc_pause_ms": sum(pauses), "gc_longest_ms": max(pauses, default=0)}
