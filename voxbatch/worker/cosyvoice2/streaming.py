@@ -49,10 +49,12 @@ POLL_S = 0.05  # how long an idle LLM thread waits on the intake before looking 
 LLM_STREAM_PRIORITY = -1
 BUCKETS_PER_OCTAVE = 2  # flow length buckets per doubling of length (1: within 2x, 2: within 1.41x)
 IDLE_BATCH_DIV = 4  # an idle vocoder runs a bucket holding flow_batch / this many rows (0: wait for full/old)
-# When the LLM has less than a flow batch left (the end of the work), an idle vocoder runs the longest
-# bucket together with the rows of the buckets within a doubling of it (up to flow_batch rows), instead
-# of one small bucket after another: few rows per kernel leave the GPU waiting on launches.
-TAIL_MERGE = True
+# When the LLM has less than a flow batch left (the end of the work), an idle vocoder could run the
+# longest bucket together with the rows of the buckets within a doubling of it (up to flow_batch rows)
+# instead of one small bucket after another. Off: it measured no faster (engine median 246.8x with,
+# 250.7x without, runs in A B B A order, bench/results/gpu_h200_worker7.json); kept as the bench's
+# `merge` switch so that run's command still reproduces it.
+TAIL_MERGE = False
 LONGEST_FIRST = True  # refill LLM rows with the longest waiting texts first (shorter tail at the end of the work)
 MAX_WAIT_S = 10.0  # ... unless a request has waited this long: then it goes first, whatever its length
 
