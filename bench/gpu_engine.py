@@ -324,6 +324,7 @@ SWITCHES = {
     "varlen": ("voxbatch.worker.cosyvoice2.flow_estimator", "VARLEN_ATTENTION", lambda v: v in ("1", "true")),
     "packed": ("voxbatch.worker.cosyvoice2.llm", "PACKED_PREFILL", lambda v: v in ("1", "true")),
     "merge": ("voxbatch.worker.cosyvoice2.streaming", "TAIL_MERGE", lambda v: v in ("1", "true")),
+    "vocoders": ("voxbatch.worker.cosyvoice2.streaming", "VOCODER_THREADS", int),
 }
 
 

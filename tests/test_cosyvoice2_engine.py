@@ -346,6 +346,32 @@ def test_deterministic_cudnn_is_scoped_to_the_vocoder_call(engine):
     assert torch.backends.cudnn.deterministic == before
 
 
+def test_deterministic_cudnn_holds_until_the_last_overlapping_call_ends():
+    """Two vocoder threads: the first call out does not unset the flag while the other's HiFT runs;
+    the last one out restores what was there before."""
+    import threading
+
+    from voxbatch.worker.cosyvoice2.engine import deterministic_cudnn
+
+    before = torch.backends.cudnn.deterministic
+    inside, release, seen = threading.Event(), threading.Event(), []
+
+    def second():
+        with deterministic_cudnn():
+            inside.set()
+            release.wait(10)
+            seen.append(torch.backends.cudnn.deterministic)
+
+    t = threading.Thread(target=second)
+    with deterministic_cudnn():
+        t.start()
+        assert inside.wait(10)
+    assert torch.backends.cudnn.deterministic  # the second call is still inside
+    release.set()
+    t.join(10)
+    assert seen == [True] and torch.backends.cudnn.deterministic == before
+
+
 def test_placement_dtypes_follow_settings():
     """GPU defaults: bf16 LLM, fp16 flow, fp32 HiFT; `llm_dtype=float32` keeps the LLM batch-invariant
     on a GPU; on a CPU everything is fp32 whatever is asked."""

@@ -84,7 +84,12 @@ def alone(engine, r) -> np.ndarray:
     return res.audio
 
 
-def test_rows_refill_across_tasks_and_each_segment_sounds_as_alone(engine):
+@pytest.mark.parametrize("vocoders", [1, 2])
+def test_rows_refill_across_tasks_and_each_segment_sounds_as_alone(engine, monkeypatch, vocoders):
+    """Also with two flow/HiFT threads (streaming.VOCODER_THREADS): every segment once, as alone."""
+    from voxbatch.worker.cosyvoice2 import streaming
+
+    monkeypatch.setattr(streaming, "VOCODER_THREADS", vocoders)
     batch = mixed(engine, 10)
     rec = Recorder()
     t, _ = serve(engine, batch, rec)
@@ -229,3 +234,23 @@ def test_vocoder_tail_batches(monkeypatch, merge):
     else:
         assert batches == [[200, 210, 205, 202], [150], [120, 100], [40]]
     assert vocoder.pending == 8 and not vocoder.since
+
+
+def test_second_vocoder_thread_leaves_partial_buckets_while_the_llm_has_work(monkeypatch):
+    """While the LLM has a flow batch's worth left, a partial bucket a quarter full goes to the first
+    thread only; once it has too little left, any thread takes what there is."""
+    from types import SimpleNamespace
+
+    from voxbatch.worker.cosyvoice2 import streaming
+
+    left = [100]
+    sched = SimpleNamespace(engine=SimpleNamespace(flow_batch=8, max_batch=8), llm_rows=lambda: left[0])
+    vocoder = streaming._Vocoder(sched)
+    for n in (50, 52):  # one bucket, 2 rows = a quarter of flow_batch
+        vocoder.put(SimpleNamespace(tokens=[0] * n))
+    now = time.perf_counter()
+    assert vocoder._partial(now, primary=False) is None
+    key = vocoder._partial(now, primary=True)
+    assert key is not None
+    left[0] = 0
+    assert vocoder._partial(now, primary=False) == key

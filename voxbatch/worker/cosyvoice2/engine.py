@@ -200,21 +200,34 @@ def to_host(t: torch.Tensor) -> np.ndarray:
     return host.numpy()
 
 
+_cudnn_lock = threading.Lock()
+_cudnn_users = 0  # vocoder calls inside deterministic_cudnn now
+_cudnn_before = False  # the flag before the first of them set it
+
+
 @contextlib.contextmanager
 def deterministic_cudnn() -> Iterator[None]:
     """cuDNN limited to deterministic algorithms while HiFT runs, restored after.
 
     HiFT's transposed convolutions run cuDNN backward-data kernels, some of which accumulate with
     atomics: on an H200 the same mel and seed gave different audio run to run (the LLM and flow were
-    bit-stable). The flag is process-wide while set, so it is set only around the vocoder call, on
-    the thread that runs flow and HiFT (the LLM's attention and matmuls do not use cuDNN), never for
-    the whole process from a constructor."""
-    before = torch.backends.cudnn.deterministic
-    torch.backends.cudnn.deterministic = True
+    bit-stable). The flag is process-wide while set, so it is set only around vocoder calls, on the
+    threads that run flow and HiFT (the LLM's attention and matmuls do not use cuDNN), never for the
+    whole process from a constructor. Calls may overlap (streaming.VOCODER_THREADS): the first sets
+    it, the last one out restores it, so no HiFT runs with it unset."""
+    global _cudnn_users, _cudnn_before
+    with _cudnn_lock:
+        if _cudnn_users == 0:
+            _cudnn_before = torch.backends.cudnn.deterministic
+            torch.backends.cudnn.deterministic = True
+        _cudnn_users += 1
     try:
         yield
     finally:
-        torch.backends.cudnn.deterministic = before
+        with _cudnn_lock:
+            _cudnn_users -= 1
+            if _cudnn_users == 0:
+                torch.backends.cudnn.deterministic = _cudnn_before
 
 
 class CosyVoice2Engine(Engine):

@@ -1,7 +1,7 @@
 """The CosyVoice2 engine's one scheduler: continuous LLM decoding overlapped with flow/HiFT.
 
     intake ──admit──> feed ──LlmBackend.stream──> finished rows ──length buckets──> flow + HiFT ──emit──>
-     (tasks)           (LLM thread: refills free KV rows across tasks)     (vocoder thread, own CUDA stream)
+     (tasks)           (LLM thread: refills free KV rows across tasks)     (vocoder threads, own CUDA streams)
 
 Why one loop: batch-at-a-time serving (decode a batch, vocode it, then take more) left the GPU idle
 while the slowest row of each batch decoded alone, and let the worker's batch size follow its Celery
@@ -49,6 +49,13 @@ POLL_S = 0.05  # how long an idle LLM thread waits on the intake before looking 
 LLM_STREAM_PRIORITY = -1
 BUCKETS_PER_OCTAVE = 2  # flow length buckets per doubling of length (1: within 2x, 2: within 1.41x)
 IDLE_BATCH_DIV = 4  # an idle vocoder runs a bucket holding flow_batch / this many rows (0: wait for full/old)
+# Flow/HiFT threads, each with its own CUDA stream. In a job the LLM is done after its first fifth
+# (gpu_h200_worker7.json's timeline: last refill at 2.6 s of 13.7 s); from there one thread's batches
+# run back to back alone, and the GPU idles at each batch's host work and through a small last batch.
+# A second thread runs another batch meanwhile. It takes only full buckets, buckets past FLUSH_AFTER_S
+# and, once the LLM has too little left to fill a bucket, the rest: while the LLM decodes, partial
+# buckets stay the first thread's, so the start of the work does not split into smaller batches.
+VOCODER_THREADS = 1
 # When the LLM has less than a flow batch left (the end of the work), an idle vocoder could run the
 # longest bucket together with the rows of the buckets within a doubling of it (up to flow_batch rows)
 # instead of one small bucket after another. Off: it measured no faster (engine median 246.8x with,
@@ -191,7 +198,8 @@ class _Vocoder:
         self.draining = 0
         self.closing = False
         self.last_observed = time.perf_counter()
-        self.thread = threading.Thread(target=self._loop, name="flow-hift", daemon=True)
+        self.threads = [threading.Thread(target=self._loop, args=(i == 0,), name=f"flow-hift-{i}", daemon=True)
+                        for i in range(max(1, VOCODER_THREADS))]
 
     # -- the LLM thread's side -----------------------------------------------------------------------
 
@@ -216,7 +224,7 @@ class _Vocoder:
             self.draining += 1
             self.cv.notify_all()
             try:
-                self.cv.wait_for(lambda: self.pending == 0 or not self.thread.is_alive())
+                self.cv.wait_for(lambda: self.pending == 0 or not any(t.is_alive() for t in self.threads))
             finally:
                 self.draining -= 1
 
@@ -224,12 +232,18 @@ class _Vocoder:
         with self.cv:
             self.closing = True
             self.cv.notify_all()
-        self.thread.join()
+        for t in self.threads:
+            t.join()
+
+    def start(self) -> None:
+        for t in self.threads:
+            t.start()
 
     # -- the vocoder thread ----------------------------------------------------------------------------
 
-    def _next(self) -> tuple[list, float] | None:
-        """The next batch to run and when its oldest row arrived (blocks); None once closing and empty."""
+    def _next(self, primary: bool = True) -> tuple[list, float] | None:
+        """The next batch to run and when its oldest row arrived (blocks); None once closing and empty.
+        A thread that is not the `primary` one leaves partial buckets to it while the LLM has work."""
         with self.cv:
             while True:
                 now = time.perf_counter()
@@ -246,14 +260,14 @@ class _Vocoder:
                 if self.buckets:
                     if TAIL_MERGE and self._llm_nearly_done():
                         return self._tail()
-                    key = self._partial(now)
+                    key = self._partial(now, primary)
                     if key is not None:
                         return self.buckets.pop(key), self.since.pop(key)
                 elif self.closing:
                     return None
                 self.cv.wait(timeout=0.02 if self.buckets else 0.2)
 
-    def _partial(self, now: float) -> int | None:
+    def _partial(self, now: float, primary: bool = True) -> int | None:
         """The bucket to run before it is full (the vocoder is idle here), or None to wait: the longest
         when the LLM has too little left to fill a bucket; else the longest of those whose oldest row
         waited FLUSH_AFTER_S; else the fullest holding flow_batch / IDLE_BATCH_DIV rows, rather than
@@ -263,7 +277,7 @@ class _Vocoder:
         old = [k for k, t in self.since.items() if now - t >= FLUSH_AFTER_S]
         if old:
             return max(old)
-        if IDLE_BATCH_DIV:
+        if IDLE_BATCH_DIV and primary:
             fullest = max(self.buckets, key=lambda k: len(self.buckets[k]))
             if len(self.buckets[fullest]) >= max(1, self.flow_batch // IDLE_BATCH_DIV):
                 return fullest
@@ -291,13 +305,13 @@ class _Vocoder:
                 break
         return batch, started
 
-    def _loop(self) -> None:
+    def _loop(self, primary: bool = True) -> None:
         engine = self.s.engine
         with ExitStack() as stack:
             for dev in {engine.flow.encoder_proj.weight.device, engine.hift.conv_pre.weight.device}:
                 if dev.type == "cuda":
                     stack.enter_context(torch.cuda.stream(torch.cuda.Stream(dev)))
-            while (nxt := self._next()) is not None:
+            while (nxt := self._next(primary)) is not None:
                 batch, started = nxt
                 try:
                     self._render(batch, started)
@@ -349,7 +363,7 @@ class StreamingScheduler:
         return len(self.feed.inflight) + self.intake.qsize()
 
     def run(self) -> None:
-        self.vocoder.thread.start()
+        self.vocoder.start()
         try:
             with ExitStack() as stack:
                 dev = getattr(self.engine.llm, "device", None)  # the torch backend's; vLLM keeps its own streams
