@@ -86,10 +86,14 @@ def alone(engine, r) -> np.ndarray:
 
 @pytest.mark.parametrize("vocoders", [1, 2])
 def test_rows_refill_across_tasks_and_each_segment_sounds_as_alone(engine, monkeypatch, vocoders):
-    """Also with two flow/HiFT threads (streaming.VOCODER_THREADS): every segment once, as alone."""
+    """Also with two flow/HiFT threads (streaming.VOCODER_THREADS, here on a CPU): every segment
+    once, as alone."""
     from voxbatch.worker.cosyvoice2 import streaming
 
-    monkeypatch.setattr(streaming, "VOCODER_THREADS", vocoders)
+    monkeypatch.setattr(streaming, "CPU_VOCODER_THREADS", vocoders)
+    started = []
+    real_start = streaming._Vocoder.start
+    monkeypatch.setattr(streaming._Vocoder, "start", lambda self: (started.append(len(self.threads)), real_start(self)))
     batch = mixed(engine, 10)
     rec = Recorder()
     t, _ = serve(engine, batch, rec)
@@ -109,6 +113,7 @@ def test_rows_refill_across_tasks_and_each_segment_sounds_as_alone(engine, monke
     assert late, rec.events
     assert any(admitted_at[s] < first_emit and emitted_at[s] > min(admitted_at[x] for x in late) for s in admitted_at)
     assert len(admitted_at) == len(batch)  # every request admitted exactly once
+    assert started == [vocoders]
 
 
 def test_solo_request_renders_with_nothing_else_in_flight(engine):
@@ -244,8 +249,10 @@ def test_second_vocoder_thread_leaves_partial_buckets_while_the_llm_has_work(mon
     from voxbatch.worker.cosyvoice2 import streaming
 
     left = [100]
+    monkeypatch.setattr(streaming, "CPU_VOCODER_THREADS", 2)
     sched = SimpleNamespace(engine=SimpleNamespace(flow_batch=8, max_batch=8), llm_rows=lambda: left[0])
     vocoder = streaming._Vocoder(sched)
+    assert len(vocoder.threads) == 2
     for n in (50, 52):  # one bucket, 2 rows = a quarter of flow_batch
         vocoder.put(SimpleNamespace(tokens=[0] * n))
     now = time.perf_counter()
