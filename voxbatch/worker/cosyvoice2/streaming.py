@@ -49,9 +49,9 @@ POLL_S = 0.05  # how long an idle LLM thread waits on the intake before looking 
 LLM_STREAM_PRIORITY = -1
 BUCKETS_PER_OCTAVE = 2  # flow length buckets per doubling of length (1: within 2x, 2: within 1.41x)
 IDLE_BATCH_DIV = 4  # an idle vocoder runs a bucket holding flow_batch / this many rows (0: wait for full/old)
-# Flow/HiFT threads, each with its own CUDA stream. In a job the LLM is done after its first fifth
-# (gpu_h200_worker7.json's timeline: last refill at 2.6 s of 13.7 s); from there one thread's batches
-# run back to back alone, and the GPU idles at each batch's host work and through a small last batch.
+# Flow/HiFT threads, each with its own CUDA stream. In a job the LLM takes its last rows early (last
+# refill 2.6 s into 13.7 s, bench/results/gpu_h200_worker7_worker.log); after them one thread's
+# batches run back to back alone, and the GPU idles at each batch's host work and through a small last batch.
 # A second thread runs another batch meanwhile. It takes only full buckets, buckets past FLUSH_AFTER_S
 # and, once the LLM has too little left to fill a bucket, the rest: while the LLM decodes, partial
 # buckets stay the first thread's, so the start of the work does not split into smaller batches.
