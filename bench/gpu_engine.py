@@ -307,7 +307,7 @@ def busy_pct(summary: dict | None) -> float | None:
 # Short names in --engine-runs / --worker-run specs -> Settings fields.
 RUN_KEYS = {"rows": "engine_max_batch", "flow": "engine_flow_batch", "task": "batch_size", "dtype": "llm_dtype",
             "inflight": "worker_inflight_segments", "upload": "upload_threads",
-            "format": "output_format", "gil": "gil_switch_interval_ms"}
+            "format": "output_format", "gil": "gil_switch_interval_ms", "vocoders": "engine_vocoder_threads"}
 
 
 # Engine-stage A/B of scheduler and kernel choices that are code constants, not settings: key ->
@@ -324,7 +324,6 @@ SWITCHES = {
     "varlen": ("voxbatch.worker.cosyvoice2.flow_estimator", "VARLEN_ATTENTION", lambda v: v in ("1", "true")),
     "packed": ("voxbatch.worker.cosyvoice2.llm", "PACKED_PREFILL", lambda v: v in ("1", "true")),
     "merge": ("voxbatch.worker.cosyvoice2.streaming", "TAIL_MERGE", lambda v: v in ("1", "true")),
-    "vocoders": ("voxbatch.worker.cosyvoice2.streaming", "VOCODER_THREADS", int),
 }
 
 

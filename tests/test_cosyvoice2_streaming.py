@@ -261,3 +261,20 @@ def test_second_vocoder_thread_leaves_partial_buckets_while_the_llm_has_work(mon
     assert key is not None
     left[0] = 0
     assert vocoder._partial(now, primary=False) == key
+
+
+def test_vocoder_threads_follow_the_engine_setting(tiny_model_dir, storage_dir):  # noqa: F811
+    """Settings.engine_vocoder_threads reaches the engine and sets the vocoder's threads; unset, a CPU
+    engine gets CPU_VOCODER_THREADS."""
+    from types import SimpleNamespace
+
+    from voxbatch.worker.cosyvoice2 import streaming
+
+    settings = Settings(engine="cosyvoice2", model_dir=str(tiny_model_dir), storage_url=storage_dir.as_uri(),
+                        engine_max_batch=MAX_BATCH, engine_flow_batch=2, engine_vocoder_threads=3)
+    eng = CosyVoice2Engine.from_settings(settings)
+    assert eng.vocoder_threads == 3
+    assert len(streaming._Vocoder(SimpleNamespace(engine=eng)).threads) == 3
+    unset = CosyVoice2Engine.from_settings(settings.model_copy(update={"engine_vocoder_threads": None}))
+    assert unset.vocoder_threads is None
+    assert len(streaming._Vocoder(SimpleNamespace(engine=unset)).threads) == streaming.CPU_VOCODER_THREADS

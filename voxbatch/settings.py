@@ -73,6 +73,11 @@ class Settings(BaseSettings):
     # Most rows in one flow + HiFT batch (length-bucketed). Unset: half the engine's LLM rows, at most
     # 128 (the fastest measured on an H200: 128 rows on 256 LLM rows, bench/results/h200_probe1.json).
     engine_flow_batch: int | None = Field(None, ge=1)
+    # Threads that run flow + HiFT batches, each on its own CUDA stream, so one batch's host work and
+    # small kernels overlap another's. None: 2 with flow on a GPU (engine 261.2x vs 247.1x with one
+    # on an H200, 2.5 GiB more peak memory, bench/results/gpu_h200_vocoders1.json), 1 on a CPU. Set 1
+    # on a GPU short of memory: two flow batches are in flight at once.
+    engine_vocoder_threads: int | None = Field(None, ge=1, le=8)
     # LLM precision on a GPU ("auto": bf16; a CPU always runs fp32). It sets what a segment re-rendered
     # in another batch (a retry, a solo re-render) keeps. "float32": the same speech tokens, so the same
     # words, timing and length, and a mel within the flow's fp16 rounding (fp32 logits still differ per

@@ -245,9 +245,10 @@ class CosyVoice2Engine(Engine):
         flow_batch: int = 16,  # most rows in one flow + HiFT batch
         voice_cache_size: int = 32,
         forced_lengths: bool = False,  # benchmark only (Settings.engine_forced_lengths)
+        vocoder_threads: int | None = None,  # flow/HiFT threads of `serve`; None: streaming picks by device
     ):
         self.tokenizer, self.llm, self.flow, self.hift = tokenizer, llm, flow, hift
-        self.max_batch, self.flow_batch = max_batch, flow_batch
+        self.max_batch, self.flow_batch, self.vocoder_threads = max_batch, flow_batch, vocoder_threads
         self.forced_lengths = forced_lengths
         self.speech_token_size = speech_token_size
         self.sample_rate = hift.d.sampling_rate
@@ -317,7 +318,8 @@ class CosyVoice2Engine(Engine):
         log.info("cosyvoice2 engine: %s; llm=%s on %s (%d rows), flow on %s, hift on %s", model_dir, llm.name, p.llm_device,
                  max_batch, p.flow_device, p.hift_device)
         engine = cls(tokenizer, llm, flow, hift, load_voice, dims.speech_token_size, max_batch=max_batch, flow_batch=flow_batch,
-                     forced_lengths=bool(settings is not None and settings.engine_forced_lengths))
+                     forced_lengths=bool(settings is not None and settings.engine_forced_lengths),
+                     vocoder_threads=settings.engine_vocoder_threads if settings is not None else None)
         engine.model_dir = Path(model_dir)
         engine.placement = p
         return engine

@@ -57,7 +57,7 @@ IDLE_BATCH_DIV = 4  # an idle vocoder runs a bucket holding flow_batch / this ma
 # buckets stay the first thread's, so the start of the work does not split into smaller batches.
 # Engine on the H200: 261.2x with two threads (run second) vs 247.1x with one (run first), peak GPU
 # memory 32.1 vs 29.7 GiB (bench/results/gpu_h200_vocoders1.json). On a CPU the threads would share
-# the same cores: one.
+# the same cores: one. Settings.engine_vocoder_threads, where set, overrides both.
 VOCODER_THREADS = 2  # with flow on a GPU
 CPU_VOCODER_THREADS = 1
 # When the LLM has less than a flow batch left (the end of the work), an idle vocoder could run the
@@ -202,9 +202,11 @@ class _Vocoder:
         self.draining = 0
         self.closing = False
         self.last_observed = time.perf_counter()
-        flow = getattr(sched.engine, "flow", None)
-        on_gpu = flow is not None and flow.encoder_proj.weight.device.type == "cuda"
-        n = VOCODER_THREADS if on_gpu else CPU_VOCODER_THREADS
+        n = getattr(sched.engine, "vocoder_threads", None)
+        if n is None:
+            flow = getattr(sched.engine, "flow", None)
+            on_gpu = flow is not None and flow.encoder_proj.weight.device.type == "cuda"
+            n = VOCODER_THREADS if on_gpu else CPU_VOCODER_THREADS
         self.threads = [threading.Thread(target=self._loop, args=(i == 0,), name=f"flow-hift-{i}", daemon=True)
                         for i in range(max(1, n))]
 
