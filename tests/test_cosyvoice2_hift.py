@@ -251,3 +251,17 @@ def test_gpu(tiny_model_dir, ref):
                 for i, m in enumerate(mels):
                     one, _ = model.inference(m.cuda(), generators=[torch.Generator(device="cuda").manual_seed(i + 1)])
                     assert _maxabs(wav_b[i : i + 1, : one.shape[1]], one) <= 1e-4
+
+
+def test_host_lengths_give_the_same_audio_as_device_lengths(hift, ref):
+    """Row lengths as a host list (the engine's way: no read-back of a device tensor, so no host sync)
+    give the same waveform and source, bit for bit, as the same lengths in a tensor; a count that
+    does not match the rows is an error."""
+    _, padded, lengths = _batch(ref)
+    seeds = (21, 22, 23)
+    gens = lambda: [torch.Generator().manual_seed(s) for s in seeds]  # noqa: E731
+    wav_t, src_t = hift.inference(padded, lengths, gens())
+    wav_l, src_l = hift.inference(padded, lengths.tolist(), gens())
+    assert torch.equal(wav_t, wav_l) and torch.equal(src_t, src_l)
+    with pytest.raises(ValueError, match="2 lengths for 3 rows"):
+        hift.inference(padded, lengths.tolist()[:2], gens())

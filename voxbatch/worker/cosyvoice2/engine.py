@@ -40,6 +40,7 @@ from voxbatch.settings import Settings
 from voxbatch.voice import VoiceProfile
 from voxbatch.worker.cosyvoice2.flow import CausalFlow
 from voxbatch.worker.cosyvoice2.forced_lengths import forced_speech_tokens
+from voxbatch.worker.cosyvoice2.h2d import to_device
 from voxbatch.worker.cosyvoice2.hift import HiFTGenerator
 from voxbatch.worker.cosyvoice2.hub import resolve_model_dir
 from voxbatch.worker.cosyvoice2.llm_backend import LlmBackend, LlmRequest
@@ -476,13 +477,13 @@ class CosyVoice2Engine(Engine):
         """One flow batch: B token sequences (each with its voice) -> B mels (80, T_mel_i), on the flow device."""
         flow_dev = self.flow.encoder_proj.weight.device
         tok_lens = [len(t) for t in tokens]
-        tok = _pad([torch.tensor(t, dtype=torch.long) for t in tokens], tok_lens).to(flow_dev)  # (B, T_tok)
+        tok = to_device(_pad([torch.tensor(t, dtype=torch.long) for t in tokens], tok_lens), torch.long, flow_dev)  # (B, T_tok)
         p_lens = [v.flow_tokens.shape[0] for v in voices]
         pm_lens = [v.prompt_mel.shape[0] for v in voices]
         prompt_tok = _pad([v.flow_tokens for v in voices], p_lens)  # (B, T_p)
         prompt_mel = _pad([v.prompt_mel for v in voices], pm_lens)  # (B, T_pm, 80)
         embedding = torch.stack([v.embedding for v in voices])  # (B, 192)
-        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=flow_dev)  # noqa: E731
+        as_tensor = lambda xs: to_device(xs, torch.long, flow_dev)  # noqa: E731  pinned: no wait on the stream
         with torch.inference_mode():
             return self.flow.inference(tok, as_tensor(tok_lens), prompt_tok, as_tensor(p_lens), prompt_mel,
                                        as_tensor(pm_lens), embedding)  # B x (80, T_mel_i) fp32
@@ -496,7 +497,7 @@ class CosyVoice2Engine(Engine):
             mel = _pad([m.transpose(0, 1) for m in mels], mel_lens, HIFT_FRAME_QUANTUM).transpose(1, 2)  # (B, 80, T_mel)
             generators = [torch.Generator(device=hift_dev).manual_seed(s) for s in seeds]
             with deterministic_cudnn():
-                wav, _ = self.hift.inference(mel, torch.tensor(mel_lens, device=hift_dev), generators)  # (B, T_wav)
+                wav, _ = self.hift.inference(mel, mel_lens, generators)  # (B, T_wav); host lengths: no sync until to_host
             wav = to_host(wav.float())
         spf = self.hift.d.samples_per_frame
         return [np.ascontiguousarray(wav[i, : n * spf]) for i, n in enumerate(mel_lens)]

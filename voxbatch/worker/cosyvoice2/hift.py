@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from voxbatch.worker.cosyvoice2.derived import DerivedWeight
+from voxbatch.worker.cosyvoice2.h2d import to_device
 from voxbatch.worker.cosyvoice2.checkpoint import ModelDirError, check_keys, empty_init, load_state_dict, read_config, section
 
 
@@ -144,6 +145,21 @@ class SourceNoise:
     noise: torch.Tensor
 
 
+def split_lengths(lengths: torch.Tensor | Sequence[int] | None, B: int, T: int, device: torch.device) -> tuple[torch.Tensor, list[int]]:
+    """Row lengths both on the device (masks) and on the host (per-row loops): from a host list with
+    a pinned, non-blocking copy (no host sync); from a device tensor with one read-back (a sync);
+    None: every row is T long."""
+    if lengths is None:
+        host = [T] * B
+    elif isinstance(lengths, torch.Tensor):
+        return lengths.to(device=device, dtype=torch.long), [int(n) for n in lengths.tolist()]
+    else:
+        host = [int(n) for n in lengths]
+    if len(host) != B:
+        raise ValueError(f"{len(host)} lengths for {B} rows")
+    return to_device(host, torch.long, device), host
+
+
 def draw_source_noise(
     num_harmonics: int,
     wav_lengths: Sequence[int],
@@ -218,12 +234,12 @@ class SourceModule(nn.Module):
         phase = F.interpolate(phase * up, scale_factor=up, mode="linear").transpose(1, 2)  # (1, T_wav, H)
         return torch.sin(phase) * d.nsf_alpha
 
-    def forward(self, f0: torch.Tensor, mel_lengths: torch.Tensor, noise: SourceNoise) -> torch.Tensor:
+    def forward(self, f0: torch.Tensor, mel_lengths: torch.Tensor | Sequence[int], noise: SourceNoise) -> torch.Tensor:
         d, up = self.d, self.d.samples_per_frame
         B, T_mel = f0.shape
         w, b = self.l_linear.weight.float(), self.l_linear.bias.float()
         source = torch.zeros(B, 1, T_mel * up, device=f0.device)
-        for row, n in enumerate(mel_lengths.tolist()):
+        for row, n in enumerate(split_lengths(mel_lengths, B, T_mel, f0.device)[1]):
             f0_row = f0[row : row + 1, :n].float()  # (1, T_mel_b)
             sines = self.sines(f0_row, noise.phase0[row : row + 1])  # (1, T_wav_b, H)
             uv = (f0_row.repeat_interleave(up, dim=1)[:, :, None] > d.nsf_voiced_threshold).float()
@@ -369,7 +385,7 @@ class HiFTGenerator(nn.Module):
 
     # -- the model -------------------------------------------------------------------------------
 
-    def f0(self, mel: torch.Tensor, mel_lengths: torch.Tensor | None = None) -> torch.Tensor:
+    def f0(self, mel: torch.Tensor, mel_lengths: torch.Tensor | Sequence[int] | None = None) -> torch.Tensor:
         """mel (B, 80, T_mel) -> F0 (B, T_mel) in Hz, zero past each row's length.
 
         Row by row on each row's own frames: F0 is integrated into the source phase over every
@@ -377,14 +393,14 @@ class HiFTGenerator(nn.Module):
         blocking for another shape) would grow to ~1e-4 in the source; run alone, a row's F0 is
         bit-identical to its one-at-a-time F0. The predictor is small and at the frame rate.
         """
-        mel_lengths = self._lengths(mel, mel_lengths)
         dtype = self.f0_predictor.classifier.weight.dtype  # fp32 as load_hift leaves it
         mel = mel.to(dtype)
         B, _, T_mel = mel.shape
+        lengths, host = split_lengths(mel_lengths, B, T_mel, mel.device)
         if B == 1:
-            return self.f0_predictor(mel, length_mask(mel_lengths, T_mel, dtype))
+            return self.f0_predictor(mel, length_mask(lengths, T_mel, dtype))
         f0 = mel.new_zeros(B, T_mel)
-        for b, n in enumerate(mel_lengths.tolist()):
+        for b, n in enumerate(host):
             row = mel[b : b + 1, :, :n]
             f0[b, :n] = self.f0_predictor(row, row.new_ones(1, 1, n))[0]
         return f0
@@ -392,17 +408,17 @@ class HiFTGenerator(nn.Module):
     def source(
         self,
         f0: torch.Tensor,
-        mel_lengths: torch.Tensor | None = None,
+        mel_lengths: torch.Tensor | Sequence[int] | None = None,
         generators: Sequence[torch.Generator] | None = None,
         noise: SourceNoise | None = None,
     ) -> torch.Tensor:
         """F0 (B, T_mel) -> source (B, 1, T_wav) fp32. Randomness from `noise` if given, else from
         per-row `generators`, else from the global torch RNG in the official order."""
-        mel_lengths = mel_lengths if mel_lengths is not None else torch.full((f0.shape[0],), f0.shape[1], device=f0.device)
+        _, host = split_lengths(mel_lengths, f0.shape[0], f0.shape[1], f0.device)
         if noise is None:
-            wav_lengths = (mel_lengths * self.d.samples_per_frame).tolist()
+            wav_lengths = [n * self.d.samples_per_frame for n in host]
             noise = draw_source_noise(self.d.nb_harmonics + 1, wav_lengths, generators, device=f0.device)
-        return self.m_source(f0, mel_lengths, noise)
+        return self.m_source(f0, host, noise)
 
     def decode(self, mel: torch.Tensor, source: torch.Tensor, mel_lengths: torch.Tensor | None = None) -> torch.Tensor:
         """mel (B, 80, T_mel) + source (B, 1, T_wav) -> waveform (B, T_wav) fp32 in [-limit, limit]."""
@@ -440,22 +456,26 @@ class HiFTGenerator(nn.Module):
     def inference(
         self,
         mel: torch.Tensor,
-        mel_lengths: torch.Tensor | None = None,
+        mel_lengths: torch.Tensor | Sequence[int] | None = None,
         generators: Sequence[torch.Generator] | None = None,
         cache_source: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """mel (B, 80, T_mel) -> (waveform (B, T_wav), source (B, 1, T_wav)).
 
+        `mel_lengths` as a host list (what the engine has) keeps the whole call free of host syncs:
+        the per-row F0 and source loops need the lengths on the host, and reading them back from a
+        device tensor waits for everything queued before (the flow batch).
+
         `generators`: one torch.Generator per row (its seed makes the row reproducible alone or in any
         batch); None draws from the global RNG in the official order. `cache_source` (B, 1, n)
         overwrites the first n source samples (streaming: continue the previous chunk's source).
         """
-        mel_lengths = self._lengths(mel, mel_lengths)
-        f0 = self.f0(mel, mel_lengths)
-        source = self.source(f0, mel_lengths, generators)
+        lengths, host = split_lengths(mel_lengths, mel.shape[0], mel.shape[2], mel.device)
+        f0 = self.f0(mel, host)
+        source = self.source(f0, host, generators)
         if cache_source is not None and cache_source.shape[2] > 0:
             source[:, :, : cache_source.shape[2]] = cache_source.float()
-        return self.decode(mel, source, mel_lengths), source
+        return self.decode(mel, source, lengths), source
 
     @staticmethod
     def _lengths(mel: torch.Tensor, mel_lengths: torch.Tensor | None) -> torch.Tensor:
