@@ -178,6 +178,23 @@ def test_batched_equals_single(flow: CausalFlow, ref: dict, streaming: bool, fin
         assert _maxabs(mel, single.numpy()) <= BATCH_TOL
 
 
+@pytest.mark.parametrize(("streaming", "finalize"), [(False, True), (True, False)])
+def test_host_lengths_give_the_same_mels_as_device_lengths(flow: CausalFlow, ref: dict, streaming: bool, finalize: bool) -> None:
+    """Lengths as host lists (the engine's way: no device read-back, so no host sync) give the mels of
+    the same lengths as tensors, bit for bit, final and non-final streaming calls alike."""
+    segs = _segments(ref)
+    toks, tok_lens = _pad([s[0] for s in segs])
+    ptoks, p_lens = _pad([s[1] for s in segs])
+    feats, f_lens = _pad([s[2] for s in segs])
+    emb = torch.from_numpy(np.stack([s[3] for s in segs]))
+    kw = dict(streaming=streaming, finalize=finalize)
+    as_tensors = flow.inference(toks, tok_lens, ptoks, p_lens, feats, f_lens, emb, **kw)
+    as_lists = flow.inference(toks, tok_lens.tolist(), ptoks, p_lens.tolist(), feats, f_lens.tolist(), emb, **kw)
+    assert len(as_lists) == len(as_tensors) == len(segs)
+    for a, b in zip(as_tensors, as_lists, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_missing_key_names_file_and_key(model_dir: Path, tmp_path: Path) -> None:
     """A flow.pt without one tensor fails to load, naming the file and the missing key."""
     state = torch.load(model_dir / "flow.pt", map_location="cpu", mmap=True, weights_only=True)

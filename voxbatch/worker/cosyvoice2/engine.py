@@ -483,10 +483,8 @@ class CosyVoice2Engine(Engine):
         prompt_tok = _pad([v.flow_tokens for v in voices], p_lens)  # (B, T_p)
         prompt_mel = _pad([v.prompt_mel for v in voices], pm_lens)  # (B, T_pm, 80)
         embedding = torch.stack([v.embedding for v in voices])  # (B, 192)
-        as_tensor = lambda xs: to_device(xs, torch.long, flow_dev)  # noqa: E731  pinned: no wait on the stream
-        with torch.inference_mode():
-            return self.flow.inference(tok, as_tensor(tok_lens), prompt_tok, as_tensor(p_lens), prompt_mel,
-                                       as_tensor(pm_lens), embedding)  # B x (80, T_mel_i) fp32
+        with torch.inference_mode():  # lengths as host lists: the flow call waits on nothing queued on the GPU
+            return self.flow.inference(tok, tok_lens, prompt_tok, p_lens, prompt_mel, pm_lens, embedding)  # B x (80, T_mel_i) fp32
 
     def waves(self, mels: list[torch.Tensor], speeds: list[float], seeds: list[int]) -> list[np.ndarray]:
         """One HiFT batch: B mels -> B waveforms on the host (per-row speed, per-row noise seed)."""

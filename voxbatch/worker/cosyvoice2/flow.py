@@ -24,6 +24,7 @@ bf16 max abs 5e-2 (mels span about +-5).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ from torch import nn
 from voxbatch.worker.cosyvoice2.checkpoint import ModelDirError, check_keys, empty_init, load_state_dict, read_config, section
 from voxbatch.worker.cosyvoice2.flow_encoder import EncoderDims, UpsampleConformerEncoder, length_mask
 from voxbatch.worker.cosyvoice2.flow_estimator import CausalConditionalDecoder, EstimatorDims
+from voxbatch.worker.cosyvoice2.h2d import split_lengths
 
 # Fixed by the official code, not the yaml.
 N_TIMESTEPS = 10
@@ -169,12 +171,13 @@ class CausalFlow(nn.Module):
         return self.spk_embed_affine_layer(F.normalize(embedding.to(self.dtype), dim=1))
 
     def encode(
-        self, tokens: torch.Tensor, token_lens: torch.Tensor, streaming: bool = False, finalize: bool = True
+        self, tokens: torch.Tensor, token_lens: torch.Tensor, streaming: bool = False, finalize: bool = True,
+        host_lens: list[int] | None = None,  # token_lens on the host, if the caller has them
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens (B, T_tok) padded, prompt included -> mu (B, 80, T_mel), mel lengths (B,)."""
         valid = length_mask(token_lens, tokens.size(1))[..., None]  # (B, T_tok, 1)
         x = self.input_embedding(tokens.clamp(min=0)) * valid.to(self.dtype)  # (B, T_tok, D)
-        h, mel_lens = self.encoder(x, token_lens, streaming=streaming, finalize=finalize)
+        h, mel_lens = self.encoder(x, token_lens, streaming=streaming, finalize=finalize, host_lens=host_lens)
         mu = self.encoder_proj(h) * length_mask(mel_lens, h.size(1))[..., None].to(h.dtype)  # (B, T_mel, 80)
         return mu.transpose(1, 2), mel_lens
 
@@ -184,11 +187,11 @@ class CausalFlow(nn.Module):
     def inference(
         self,
         tokens: torch.Tensor,
-        token_lens: torch.Tensor,
+        token_lens: torch.Tensor | Sequence[int],
         prompt_tokens: torch.Tensor,
-        prompt_lens: torch.Tensor,
+        prompt_lens: torch.Tensor | Sequence[int],
         prompt_feat: torch.Tensor,
-        prompt_feat_lens: torch.Tensor,
+        prompt_feat_lens: torch.Tensor | Sequence[int],
         embedding: torch.Tensor,
         streaming: bool = False,
         finalize: bool = True,
@@ -198,16 +201,24 @@ class CausalFlow(nn.Module):
         tokens (B, T_tok), prompt_tokens (B, T_p), prompt_feat (B, T_pm, 80): padded, with lengths
         (B,) each; embedding (B, 192). `finalize=False` is one non-final streaming call: the last
         `pre_lookahead_len` tokens of each row are look-ahead context and produce no frames.
+
+        Lengths given as host lists (the engine's way) keep the call free of host syncs: the widths,
+        checks and the final per-row slices need them on the host, and reading them back from the
+        device waits for everything queued before (at the end, the whole decoder).
         """
         device = self.encoder_proj.weight.device
+        B = tokens.shape[0]
         tokens, prompt_tokens = tokens.to(device).long(), prompt_tokens.to(device).long()
-        token_lens, prompt_lens = token_lens.to(device).long(), prompt_lens.to(device).long()
-        prompt_feat_lens = prompt_feat_lens.to(device).long()
+        token_lens, tok_host = split_lengths(token_lens, B, tokens.shape[1], device)
+        prompt_lens, p_host = split_lengths(prompt_lens, B, prompt_tokens.shape[1], device)
+        prompt_feat_lens, pf_host = split_lengths(prompt_feat_lens, B, prompt_feat.shape[1], device)
 
-        all_tokens, all_lens = _concat_padded(prompt_tokens, prompt_lens, tokens, token_lens)  # (B, T_p + T_tok)
-        mu, mel_lens = self.encode(all_tokens, all_lens, streaming=streaming, finalize=finalize)
+        all_host = [p + t for p, t in zip(p_host, tok_host)]
+        all_tokens, all_lens = _concat_padded(prompt_tokens, prompt_lens, tokens, token_lens, max(all_host, default=0))  # (B, T_p + T_tok)
+        mu, mel_lens = self.encode(all_tokens, all_lens, streaming=streaming, finalize=finalize, host_lens=all_host)
         B, _, T = mu.shape
-        if bool((prompt_feat_lens > mel_lens).any()):
+        mel_host = self.encoder.mel_lengths(all_host, finalize)
+        if any(pf > m for pf, m in zip(pf_host, mel_host)):
             raise ValueError("flow: a prompt mel is longer than its row's mel output")
 
         frame_ok = length_mask(mel_lens, T)  # (B, T)
@@ -218,13 +229,14 @@ class CausalFlow(nn.Module):
         mask = frame_ok[:, None].to(self.dtype)  # (B, 1, T)
 
         mel = self.decoder(mu, mask, self.speaker(embedding.to(device)), cond, streaming=streaming)
-        return [mel[i, :, int(prompt_feat_lens[i]) : int(mel_lens[i])] for i in range(B)]
+        return [mel[i, :, pf_host[i] : mel_host[i]] for i in range(B)]
 
 
 def _concat_padded(
-    a: torch.Tensor, a_lens: torch.Tensor, b: torch.Tensor, b_lens: torch.Tensor
+    a: torch.Tensor, a_lens: torch.Tensor, b: torch.Tensor, b_lens: torch.Tensor, width: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row a[:a_len] ++ b[:b_len], right-padded with 0: (B, T_a + T_b), lengths (B,)."""
+    """Per row a[:a_len] ++ b[:b_len], right-padded with 0: (B, width), lengths (B,). `width`: the
+    longest a_len + b_len where the caller knows it on the host (else read back from the device)."""
     B, T_a = a.shape
     T = T_a + b.size(1)
     pos = torch.arange(T, device=a.device)[None, :].expand(B, T)  # (B, T)
@@ -234,4 +246,4 @@ def _concat_padded(
     from_b = b.gather(1, b_pos) if b.size(1) > 0 else torch.zeros_like(pos)
     lens = a_lens + b_lens
     out = torch.where(in_a, from_a, from_b) * length_mask(lens, T)
-    return out[:, : int(lens.max())], lens
+    return out[:, : int(lens.max()) if width is None else width], lens

@@ -256,8 +256,14 @@ class UpsampleConformerEncoder(nn.Module):
         )
         self.after_norm = nn.LayerNorm(d, eps=1e-5)
 
+    def mel_lengths(self, token_lens: list[int], finalize: bool = True) -> list[int]:
+        """Host-side twin of the lengths `forward` returns: frames per row for its token count."""
+        cut = 0 if finalize else self.dims.pre_lookahead_len
+        return [(n - cut) * self.dims.up_stride for n in token_lens]
+
     def forward(
-        self, xs: torch.Tensor, xs_lens: torch.Tensor, streaming: bool = False, finalize: bool = True
+        self, xs: torch.Tensor, xs_lens: torch.Tensor, streaming: bool = False, finalize: bool = True,
+        host_lens: list[int] | None = None,  # xs_lens on the host, if the caller has them: no device read-back
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """xs (B, T_tok, D_in) padded embeddings, xs_lens (B,) -> (B, T_mel, D), mel lengths (B,).
 
@@ -269,10 +275,12 @@ class UpsampleConformerEncoder(nn.Module):
         x = self.embed(xs) * length_mask(xs_lens, T)[..., None].to(xs.dtype)  # (B, T_tok, D), pad = 0
         x = self.pre_lookahead_layer(x)
         lens = xs_lens
+        host = xs_lens.tolist() if host_lens is None else host_lens
+        left = [n - (0 if finalize else dims.pre_lookahead_len) for n in host]  # tokens each row encodes
         if not finalize:
             lens = xs_lens - dims.pre_lookahead_len
-            x = x[:, : int(lens.max())]
-        if int(lens.min()) <= 0:
+            x = x[:, : max(left)]
+        if min(left) <= 0:
             raise ValueError("flow encoder: a row has no tokens left to encode")
         x = self._run(self.encoders, x, lens, dims.static_chunk_size if streaming else 0)
 

@@ -10,6 +10,8 @@ and moves on; torch's caching host allocator keeps the pinned block until the co
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
@@ -22,3 +24,18 @@ def to_device(values, dtype: torch.dtype, device: torch.device | str) -> torch.T
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def split_lengths(lengths: torch.Tensor | Sequence[int] | None, B: int, T: int, device: torch.device) -> tuple[torch.Tensor, list[int]]:
+    """Row lengths both on the device (masks) and on the host (per-row loops): from a host list with
+    a pinned, non-blocking copy (no host sync); from a device tensor with one read-back (a sync);
+    None: every row is T long."""
+    if lengths is None:
+        host = [T] * B
+    elif isinstance(lengths, torch.Tensor):
+        return lengths.to(device=device, dtype=torch.long), [int(n) for n in lengths.tolist()]
+    else:
+        host = [int(n) for n in lengths]
+    if len(host) != B:
+        raise ValueError(f"{len(host)} lengths for {B} rows")
+    return to_device(host, torch.long, device), host

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from voxbatch.worker.cosyvoice2.derived import DerivedWeight
-from voxbatch.worker.cosyvoice2.h2d import to_device
+from voxbatch.worker.cosyvoice2.h2d import split_lengths
 from voxbatch.worker.cosyvoice2.checkpoint import ModelDirError, check_keys, empty_init, load_state_dict, read_config, section
 
 
@@ -143,21 +143,6 @@ class SourceNoise:
 
     phase0: torch.Tensor
     noise: torch.Tensor
-
-
-def split_lengths(lengths: torch.Tensor | Sequence[int] | None, B: int, T: int, device: torch.device) -> tuple[torch.Tensor, list[int]]:
-    """Row lengths both on the device (masks) and on the host (per-row loops): from a host list with
-    a pinned, non-blocking copy (no host sync); from a device tensor with one read-back (a sync);
-    None: every row is T long."""
-    if lengths is None:
-        host = [T] * B
-    elif isinstance(lengths, torch.Tensor):
-        return lengths.to(device=device, dtype=torch.long), [int(n) for n in lengths.tolist()]
-    else:
-        host = [int(n) for n in lengths]
-    if len(host) != B:
-        raise ValueError(f"{len(host)} lengths for {B} rows")
-    return to_device(host, torch.long, device), host
 
 
 def draw_source_noise(
