@@ -430,7 +430,7 @@ class CosyVoice2Engine(Engine):
 
     def serve(self, intake, emit, stop, observe=None, admit=None) -> None:
         """The worker's loop: one streaming scheduler (streaming.py) over the LLM backend's continuous
-        batching and a flow/HiFT thread on its own CUDA stream; the Pipeline contract of `Engine.serve`."""
+        batching and flow/HiFT threads on their own CUDA streams; the Pipeline contract of `Engine.serve`."""
         StreamingScheduler(self, intake, emit, stop, observe, admit).run()
 
     def item(self, request: SynthesisRequest) -> _Item:

@@ -9,10 +9,11 @@ task size. Here the LLM backend takes work from the intake whenever rows free up
 came from, longest texts first (a long sequence started late would end the work decoding alone); each
 finished sequence goes into a length bucket (half an octave wide); a bucket runs through flow + HiFT as
 one batch when it is full, when the vocoder is idle and the bucket a quarter full, when the LLM has too
-little left to fill it, or when its oldest row has waited `FLUSH_AFTER_S`. The vocoder thread runs on
-its own CUDA stream and the LLM thread on a higher-priority one, so the decode step's small kernels
-take SMs as flow/HiFT blocks retire instead of queueing behind them; HiFT's output comes to the host
-through pinned memory on the vocoder's stream. Each of these choices was measured against its
+little left to fill it, or when its oldest row has waited `FLUSH_AFTER_S`. Each vocoder thread (two on
+a GPU, `VOCODER_THREADS`) runs on its own CUDA stream and the LLM thread on a higher-priority one, so
+the decode step's small kernels take SMs as flow/HiFT blocks retire instead of queueing behind them,
+and one flow/HiFT batch's host work and small kernels overlap another's; a batch is queued whole with
+no host sync until HiFT's output comes to the host through pinned memory. Each of these choices was measured against its
 alternative in one H200 run (BENCHMARKS.md, "This round's changes").
 
 The Pipeline's contract (`Engine.serve`) holds: `admit` is called on what is taken from the intake
