@@ -30,12 +30,15 @@ def split_lengths(lengths: torch.Tensor | Sequence[int] | None, B: int, T: int, 
     """Row lengths both on the device (masks) and on the host (per-row loops): from a host list with
     a pinned, non-blocking copy (no host sync); from a device tensor with one read-back (a sync);
     None: every row is T long."""
-    if lengths is None:
-        host = [T] * B
-    elif isinstance(lengths, torch.Tensor):
-        return lengths.to(device=device, dtype=torch.long), [int(n) for n in lengths.tolist()]
-    else:
-        host = [int(n) for n in lengths]
+    if isinstance(lengths, torch.Tensor):
+        return lengths.to(device=device, dtype=torch.long), host_lengths(lengths, B, T)
+    host = host_lengths(lengths, B, T)
+    return to_device(host, torch.long, device), host
+
+
+def host_lengths(lengths: torch.Tensor | Sequence[int] | None, B: int, T: int) -> list[int]:
+    """`split_lengths`' host half alone (no device copy), for code that only loops over rows."""
+    host = [T] * B if lengths is None else [int(n) for n in (lengths.tolist() if isinstance(lengths, torch.Tensor) else lengths)]
     if len(host) != B:
         raise ValueError(f"{len(host)} lengths for {B} rows")
-    return to_device(host, torch.long, device), host
+    return host

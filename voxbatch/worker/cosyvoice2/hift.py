@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from voxbatch.worker.cosyvoice2.derived import DerivedWeight
-from voxbatch.worker.cosyvoice2.h2d import split_lengths
+from voxbatch.worker.cosyvoice2.h2d import host_lengths, split_lengths
 from voxbatch.worker.cosyvoice2.checkpoint import ModelDirError, check_keys, empty_init, load_state_dict, read_config, section
 
 
@@ -224,7 +224,7 @@ class SourceModule(nn.Module):
         B, T_mel = f0.shape
         w, b = self.l_linear.weight.float(), self.l_linear.bias.float()
         source = torch.zeros(B, 1, T_mel * up, device=f0.device)
-        for row, n in enumerate(split_lengths(mel_lengths, B, T_mel, f0.device)[1]):
+        for row, n in enumerate(host_lengths(mel_lengths, B, T_mel)):
             f0_row = f0[row : row + 1, :n].float()  # (1, T_mel_b)
             sines = self.sines(f0_row, noise.phase0[row : row + 1])  # (1, T_wav_b, H)
             uv = (f0_row.repeat_interleave(up, dim=1)[:, :, None] > d.nsf_voiced_threshold).float()
@@ -399,7 +399,7 @@ class HiFTGenerator(nn.Module):
     ) -> torch.Tensor:
         """F0 (B, T_mel) -> source (B, 1, T_wav) fp32. Randomness from `noise` if given, else from
         per-row `generators`, else from the global torch RNG in the official order."""
-        _, host = split_lengths(mel_lengths, f0.shape[0], f0.shape[1], f0.device)
+        host = host_lengths(mel_lengths, f0.shape[0], f0.shape[1])
         if noise is None:
             wav_lengths = [n * self.d.samples_per_frame for n in host]
             noise = draw_source_noise(self.d.nb_harmonics + 1, wav_lengths, generators, device=f0.device)
