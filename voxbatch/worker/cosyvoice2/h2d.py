@@ -3,9 +3,11 @@
 `torch.tensor(list, device="cuda")` copies from pageable memory, which the driver does synchronously
 with respect to the host: it waits until the copy is done, and the copy waits behind every kernel
 already queued on the stream. At a refill of the LLM's rows that is the decode steps queued past the
-host's look (torch_backend.LOOK_LAG), so the host stalls and the queue runs dry (9-14% of the engine
-thread's stack samples on the H200). From pinned memory the copy is asynchronous: the host queues it
-and moves on; torch's caching host allocator keeps the pinned block until the copy has run.
+host's look (torch_backend.LOOK_LAG); in the vocoder, the flow batch queued before HiFT. From pinned
+memory the copy is asynchronous: the host queues it and moves on; torch's caching host allocator keeps
+the pinned block until the copy has run. Not A/B'd on its own: both sides of the packed-prefill A/B
+(BENCHMARKS.md) ran with it; an earlier, wider version measured within noise of pageable copies
+(bench/results/gpu_h200_worker4.json).
 """
 
 from __future__ import annotations
