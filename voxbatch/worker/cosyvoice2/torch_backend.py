@@ -11,8 +11,9 @@ since its prefill) and looks at the device only every `sync_every` steps or at a
 reaches max_tokens. At each look it yields the rows that stopped and prefills waiting requests into
 freed rows (continuous batching), in groups of at least `rows // refill_div` so prefill runs as a few
 batched calls (prompts packed end to end where flash runs, `CosyVoice2LM.prefill_packed`). `stream`
-takes that work from a feed (the engine's intake) instead of a fixed list, so rows refill across task boundaries and the row count grows while more work waits. Rows that stop between looks keep decoding into their own cache row: wasted work, but
-no host sync per step; their extra tokens are never read.
+takes that work from a feed (the engine's intake) instead of a fixed list, so rows refill across task
+boundaries and the row count grows while more work waits. Rows that stop between looks keep decoding
+into their own cache row: wasted work, but no host sync per step; their extra tokens are never read.
 
 A look never drains the GPU: at a look's step the rows' `alive`/`n_out` are copied into pinned host
 memory behind an event, and the host reads them `look_lag` steps later, while those steps are still
