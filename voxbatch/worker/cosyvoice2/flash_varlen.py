@@ -115,8 +115,8 @@ def padded_attention(qkv: torch.Tensor, rows: PaddedRows) -> torch.Tensor | None
 # -- packed causal attention (the LLM's prefill) ------------------------------------------------------
 #
 # The LLM's prefill runs B prompts of different lengths. Padded to the longest, SDPA with a (B, 1, T, T)
-# boolean mask computes every padded query and key, and cuDNN builds a new plan for every new (B, T):
-# on the H200 ~20% of the engine thread's samples sat in that one SDPA line. Laid end to end instead
+# boolean mask computes every padded query and key, and cuDNN builds a new plan for every new (B, T)
+# (refills bring new shapes all the time). Laid end to end instead
 # (N = sum of the lengths, no padding), one flash varlen call with is_causal=True and the prompts'
 # starts as `cu_seq` on both sides does the same attention: flash takes grouped-query K/V (KVH heads
 # dividing H) as they are, and a causal row never sees past its own prompt.

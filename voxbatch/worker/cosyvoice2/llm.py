@@ -102,8 +102,9 @@ class LlmDims:
 # False keeps the layer-by-layer form (the benchmark's A/B).
 FUSED_KERNELS = True
 # Prefill prompts packed end to end with causal flash attention where it runs (CUDA, fp16/bf16), else
-# padded with a masked SDPA; False always pads (the benchmark's A/B: engine 265.5x packed vs 250.9x
-# padded in one H200 run).
+# padded with a masked SDPA; False always pads (the benchmark's A/B, engine on the H200: 279.3x packed
+# vs 270.7x padded, bench/results/gpu_h200_worker6.json; medians of two runs each in A B B A order
+# 246.8x vs 216.4x, gpu_h200_worker7.json).
 PACKED_PREFILL = True
 
 
