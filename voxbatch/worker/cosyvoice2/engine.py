@@ -208,14 +208,15 @@ _cudnn_before = False  # the flag before the first of them set it
 
 @contextlib.contextmanager
 def deterministic_cudnn() -> Iterator[None]:
-    """cuDNN limited to deterministic algorithms while HiFT runs, restored after.
+    """cuDNN limited to deterministic algorithms while flow and HiFT run, restored after.
 
     HiFT's transposed convolutions run cuDNN backward-data kernels, some of which accumulate with
     atomics: on an H200 the same mel and seed gave different audio run to run (the LLM and flow were
     bit-stable). The flag is process-wide while set, so it is set only around vocoder calls, on the
     threads that run flow and HiFT (the LLM's attention and matmuls do not use cuDNN), never for the
     whole process from a constructor. Calls may overlap (streaming.VOCODER_THREADS): the first sets
-    it, the last one out restores it, so no HiFT runs with it unset."""
+    it, the last one out restores it. It covers the flow too: with two vocoder threads one thread's
+    flow convolutions would otherwise run with or without it depending on the other's timing."""
     global _cudnn_users, _cudnn_before
     with _cudnn_lock:
         if _cudnn_users == 0:
@@ -468,8 +469,9 @@ class CosyVoice2Engine(Engine):
 
     def vocode(self, items: list[_Item]) -> Iterator[SynthesisResult]:
         """Finished speech tokens -> audio: one flow batch, per-row speed, one HiFT batch."""
-        mels = self.mels([item.tokens or [] for item in items], [item.voice for item in items])
-        audio = self.waves(mels, [item.request.params.speed for item in items], [item.request.seed for item in items])
+        with deterministic_cudnn():
+            mels = self.mels([item.tokens or [] for item in items], [item.voice for item in items])
+            audio = self.waves(mels, [item.request.params.speed for item in items], [item.request.seed for item in items])
         for item, wav in zip(items, audio):
             yield SynthesisResult(item.request, wav)
 
@@ -494,8 +496,7 @@ class CosyVoice2Engine(Engine):
             mel_lens = [m.shape[1] for m in mels]
             mel = _pad([m.transpose(0, 1) for m in mels], mel_lens, HIFT_FRAME_QUANTUM).transpose(1, 2)  # (B, 80, T_mel)
             generators = [torch.Generator(device=hift_dev).manual_seed(s) for s in seeds]
-            with deterministic_cudnn():
-                wav, _ = self.hift.inference(mel, mel_lens, generators)  # (B, T_wav); host lengths: no sync until to_host
+            wav, _ = self.hift.inference(mel, mel_lens, generators)  # (B, T_wav); host lengths: no sync until to_host
             wav = to_host(wav.float())
         spf = self.hift.d.samples_per_frame
         return [np.ascontiguousarray(wav[i, : n * spf]) for i, n in enumerate(mel_lens)]

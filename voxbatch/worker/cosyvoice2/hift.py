@@ -381,11 +381,10 @@ class HiFTGenerator(nn.Module):
         dtype = self.f0_predictor.classifier.weight.dtype  # fp32 as load_hift leaves it
         mel = mel.to(dtype)
         B, _, T_mel = mel.shape
-        lengths, host = split_lengths(mel_lengths, B, T_mel, mel.device)
         if B == 1:
-            return self.f0_predictor(mel, length_mask(lengths, T_mel, dtype))
+            return self.f0_predictor(mel, length_mask(split_lengths(mel_lengths, B, T_mel, mel.device)[0], T_mel, dtype))
         f0 = mel.new_zeros(B, T_mel)
-        for b, n in enumerate(host):
+        for b, n in enumerate(host_lengths(mel_lengths, B, T_mel)):
             row = mel[b : b + 1, :, :n]
             f0[b, :n] = self.f0_predictor(row, row.new_ones(1, 1, n))[0]
         return f0

@@ -13,8 +13,8 @@ little left to fill it, or when its oldest row has waited `FLUSH_AFTER_S`. Each 
 a GPU, `VOCODER_THREADS`) runs on its own CUDA stream and the LLM thread on a higher-priority one, so
 the decode step's small kernels take SMs as flow/HiFT blocks retire instead of queueing behind them,
 and one flow/HiFT batch's host work and small kernels overlap another's; a batch is queued whole with
-no host sync until HiFT's output comes to the host through pinned memory. Each of these choices was measured against its
-alternative in one H200 run (BENCHMARKS.md, "This round's changes").
+no host sync until HiFT's output comes to the host through pinned memory. Each of these choices was
+measured against its alternative in one H200 run (BENCHMARKS.md, "This round's changes").
 
 The Pipeline's contract (`Engine.serve`) holds: `admit` is called on what is taken from the intake
 before it renders (attempts are counted there); a `solo` request (a suspect) renders with nothing else
@@ -52,7 +52,8 @@ BUCKETS_PER_OCTAVE = 2  # flow length buckets per doubling of length (1: within 
 IDLE_BATCH_DIV = 4  # an idle vocoder runs a bucket holding flow_batch / this many rows (0: wait for full/old)
 # Flow/HiFT threads, each with its own CUDA stream. In a job the LLM takes its last rows early (last
 # refill 2.6 s into 13.7 s, bench/results/gpu_h200_worker7_worker.log); after them one thread's
-# batches run back to back alone, and the GPU idles at each batch's host work and through a small last batch.
+# batches run back to back alone, and the GPU idles at each batch's host work and through a small
+# last batch.
 # A second thread runs another batch meanwhile. It takes only full buckets, buckets past FLUSH_AFTER_S
 # and, once the LLM has too little left to fill a bucket, the rest: while the LLM decodes, partial
 # buckets stay the first thread's, so the start of the work does not split into smaller batches.
