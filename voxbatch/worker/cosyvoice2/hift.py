@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from voxbatch.worker.cosyvoice2.derived import DerivedWeight
-from voxbatch.worker.cosyvoice2.h2d import host_lengths, split_lengths
+from voxbatch.worker.cosyvoice2.h2d import host_lengths, split_lengths, to_device
 from voxbatch.worker.cosyvoice2.checkpoint import ModelDirError, check_keys, empty_init, load_state_dict, read_config, section
 
 
@@ -170,7 +170,7 @@ def draw_source_noise(
     if len(generators) != B:
         raise ValueError(f"draw_source_noise: {len(generators)} generators for {B} rows")
     phase0 = torch.zeros(B, num_harmonics, device=device)
-    noise = torch.zeros(B, T, num_harmonics, device=device)
+    noise = torch.zeros(B, num_harmonics, T, device=device).transpose(1, 2)  # (B, T, H) laid out (B, H, T), as drawn
     for b, (n, g) in enumerate(zip(wav_lengths, generators)):
         phase0[b] = torch.rand(1, num_harmonics, generator=g, device=g.device)[0].to(device)
         noise[b, :n] = _normal_time_major(1, n, num_harmonics, g, g.device)[0].to(device)
@@ -187,14 +187,27 @@ def _normal_time_major(B: int, T: int, H: int, generator: torch.Generator | None
     return torch.empty_strided((B, T, H), (H * T, 1, T), device=device).normal_(generator=generator)
 
 
+# On CUDA the source's sample-rate half (sine, voicing, noise, the harmonic merge, tanh) runs once
+# over the padded batch; only the phase (frame-rate integration, upsampling) stays row by row. Row by
+# row, each of those ~10 passes over (T_wav, H) was a kernel of its own for every row, most of them
+# strided: with the F0 loop, ~28% of HiFT's device time at 128 rows
+# (bench/results/gpu_h200_worker8_profile.txt, the two `elementwise_kernel<128, 2>` lines). Every op
+# there is elementwise, and the merge over harmonics is a fixed chain of multiply-adds, not a matmul
+# whose kernel would depend on the batch's shape, so a row's source is bit-identical in any batch.
+# Read at every call; False keeps the row loop (CPU always: its vectorized sine rounds a row's tail
+# by where the row falls in the batch), the benchmark's A/B (`source=0`).
+BATCHED_SOURCE = True
+_BATCHED_DEVICES = ("cuda",)  # where the batched form runs (a test opens CPU)
+
+
 class SourceModule(nn.Module):
     """F0 (B, T_mel) Hz -> excitation (B, 1, T_wav): 9 harmonic sines + noise, merged by linear+tanh.
 
     The phase is integrated at the frame rate and linearly interpolated to the sample rate (the
-    official SineGen2), in fp32 whatever the module dtype. Rows are generated one by one on their
-    own lengths: the interpolation clamps at a row's real end, and elementwise kernels (sin) round
-    their vector tails differently at other lengths; a 1e-8 change in the source can become ~1e-5
-    in the waveform. The work is the same; only the kernel launches multiply by B.
+    official SineGen2), in fp32 whatever the module dtype. Each row's phase is made on its own
+    length: the interpolation clamps at a row's real end. On a CPU the rest is row by row too:
+    elementwise kernels (sin) round their vector tails differently at other lengths, and a 1e-8
+    change in the source can become ~1e-5 in the waveform; on CUDA it is batched (BATCHED_SOURCE).
     """
 
     def __init__(self, d: HiftDims):
@@ -202,8 +215,8 @@ class SourceModule(nn.Module):
         self.d = d
         self.l_linear = nn.Linear(d.nb_harmonics + 1, 1)
 
-    def sines(self, f0: torch.Tensor, phase0: torch.Tensor) -> torch.Tensor:
-        """One row: f0 (1, T_mel) Hz, phase0 (1, H) -> harmonic sines (1, T_wav, H) * amplitude, fp32."""
+    def phase(self, f0: torch.Tensor, phase0: torch.Tensor) -> torch.Tensor:
+        """One row: f0 (1, T_mel) Hz, phase0 (1, H) -> harmonic phases (1, H, T_wav) in radians, fp32."""
         d, up = self.d, self.d.samples_per_frame
         harmonics = torch.arange(1, d.nb_harmonics + 2, device=f0.device, dtype=torch.float32)
         f0_wav = f0.float().repeat_interleave(up, dim=1)[:, :, None]  # (1, T_wav, 1), nearest upsampling
@@ -216,15 +229,21 @@ class SourceModule(nn.Module):
         # and linear upsampling brings it back to samples.
         per_frame = F.interpolate(cycles.transpose(1, 2), scale_factor=1 / up, mode="linear")  # (1, H, T_mel)
         phase = torch.cumsum(per_frame, dim=2) * 2 * math.pi
-        phase = F.interpolate(phase * up, scale_factor=up, mode="linear").transpose(1, 2)  # (1, T_wav, H)
-        return torch.sin(phase) * d.nsf_alpha
+        return F.interpolate(phase * up, scale_factor=up, mode="linear")  # (1, H, T_wav)
+
+    def sines(self, f0: torch.Tensor, phase0: torch.Tensor) -> torch.Tensor:
+        """One row: f0 (1, T_mel) Hz, phase0 (1, H) -> harmonic sines (1, T_wav, H) * amplitude, fp32."""
+        return torch.sin(self.phase(f0, phase0).transpose(1, 2)) * self.d.nsf_alpha
 
     def forward(self, f0: torch.Tensor, mel_lengths: torch.Tensor | Sequence[int], noise: SourceNoise) -> torch.Tensor:
-        d, up = self.d, self.d.samples_per_frame
         B, T_mel = f0.shape
+        host = host_lengths(mel_lengths, B, T_mel)
+        if BATCHED_SOURCE and f0.device.type in _BATCHED_DEVICES:
+            return self._batched(f0, host, noise)
+        d, up = self.d, self.d.samples_per_frame
         w, b = self.l_linear.weight.float(), self.l_linear.bias.float()
         source = torch.zeros(B, 1, T_mel * up, device=f0.device)
-        for row, n in enumerate(host_lengths(mel_lengths, B, T_mel)):
+        for row, n in enumerate(host):
             f0_row = f0[row : row + 1, :n].float()  # (1, T_mel_b)
             sines = self.sines(f0_row, noise.phase0[row : row + 1])  # (1, T_wav_b, H)
             uv = (f0_row.repeat_interleave(up, dim=1)[:, :, None] > d.nsf_voiced_threshold).float()
@@ -232,6 +251,30 @@ class SourceModule(nn.Module):
             excitation = sines * uv + noise_amp * noise.noise[row : row + 1, : n * up].float()
             source[row, :, : n * up] = torch.tanh(F.linear(excitation, w, b))[0].transpose(0, 1)  # (T_wav_b, 1) -> (1, T_wav_b)
         return source
+
+    def _batched(self, f0: torch.Tensor, host: list[int], noise: SourceNoise) -> torch.Tensor:
+        """The forward with the sample-rate half over the whole batch, (B, H, T) channel-major so every
+        pass reads contiguous rows; T is the longest row's samples, the source is padded with zeros
+        to T_mel samples per frame."""
+        d, up = self.d, self.d.samples_per_frame
+        B, T_mel = f0.shape
+        T = max(host, default=0) * up
+        H = d.nb_harmonics + 1
+        phase = torch.zeros(B, H, T, device=f0.device)
+        for row, n in enumerate(host):
+            if n:
+                phase[row, :, : n * up] = self.phase(f0[row : row + 1, :n].float(), noise.phase0[row : row + 1])[0]
+        sines = torch.sin(phase) * d.nsf_alpha  # (B, H, T)
+        uv = (f0[:, : T // up].float().repeat_interleave(up, dim=1) > d.nsf_voiced_threshold).float()[:, None]  # (B, 1, T)
+        noise_amp = uv * d.nsf_sigma + (1 - uv) * d.nsf_alpha / 3
+        excitation = sines * uv + noise_amp * noise.noise[:, :T].float().transpose(1, 2)  # (B, H, T)
+        w, bias = self.l_linear.weight.float()[0], self.l_linear.bias.float()[0]  # (H,), ()
+        merged = excitation[:, 0] * w[0]  # (B, T): the linear over harmonics as a fixed chain of elementwise ops
+        for h in range(1, H):
+            merged = merged + excitation[:, h] * w[h]
+        valid = torch.arange(T, device=f0.device)[None, :] < to_device([n * up for n in host], torch.long, f0.device)[:, None]
+        source = torch.where(valid, torch.tanh(merged + bias), 0.0)  # (B, T), zero past each row
+        return F.pad(source, (0, T_mel * up - T))[:, None]  # (B, 1, T_mel * up)
 
 
 # ---------------------------------------------------------------------------------------------
