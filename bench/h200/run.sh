@@ -15,13 +15,14 @@ fi
 # PYSPY=1: sample every Python thread of the bench and its worker processes (py-spy attached from
 # outside, waits included) into $OUT/pyspy.txt (collapsed stacks per thread), to see where the CPU side
 # spends the GPU's idle time. A py-spy that cannot attach leaves the bench running as it would alone.
+# PYSPY_GIL=1 keeps only the samples of the thread holding the GIL (who keeps the launching threads waiting).
 timeout ${BENCH_TIMEOUT:-540} python3 -m bench.gpu_engine --redis-server "$PWD/../bin/redis.sh" --out "$OUT" "$@" >"$OUT/log.txt" 2>&1 &
 bench=$!
 if [ -n "${PYSPY:-}" ]; then
   sleep 1
   py=$(pgrep -P "$bench" | head -1)
   /tmp/site/bin/py-spy record --pid "${py:-$bench}" --subprocesses --threads --idle --nonblocking --rate "${PYSPY_RATE:-50}" \
-    --format raw -o "$OUT/pyspy.txt" >"$OUT/pyspy.log" 2>&1 &
+    ${PYSPY_GIL:+--gil} --format raw -o "$OUT/pyspy.txt" >"$OUT/pyspy.log" 2>&1 &
 fi
 tail --pid="$bench" -n +1 -f "$OUT/log.txt"
 wait "$bench"
