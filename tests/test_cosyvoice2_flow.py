@@ -339,19 +339,27 @@ def test_varlen_plumbing_with_emulated_flash(flow: CausalFlow, monkeypatch) -> N
         calls.append(1)
         return _varlen_in_sdpa(*args)
 
+    sdpa, varlen, valid = _flag_on_cpu(flow, monkeypatch, "VARLEN_ATTENTION", [
+        (flash_varlen, "_DEVICES", ("cpu",)), (flash_varlen, "_DTYPES", (torch.float32,)), (flash_varlen, "_flash", emulated),
+    ])  # fmt: skip
+    assert calls, "the varlen path did not run"
+    assert float((varlen - sdpa)[valid].abs().max()) <= TIGHT_TOL
+
+
+def _flag_on_cpu(flow: CausalFlow, monkeypatch, flag: str, opened: list[tuple[object, str, object]]) -> tuple[torch.Tensor, ...]:
+    """The fixture estimator on rows of three lengths with flow_estimator's `flag` off, then on with
+    the CUDA-only path opened on CPU fp32 (`opened`: (object, attribute, value) to set) -> (off, on,
+    valid-frames mask (B, 80, T))."""
     inputs = _estimator_inputs([40, 33, 7])
     est = flow.decoder.estimator
     with torch.inference_mode():
-        monkeypatch.setattr(flow_estimator, "VARLEN_ATTENTION", False)
-        sdpa = est(*inputs)
-        monkeypatch.setattr(flow_estimator, "VARLEN_ATTENTION", True)
-        monkeypatch.setattr(flash_varlen, "_DEVICES", ("cpu",))
-        monkeypatch.setattr(flash_varlen, "_DTYPES", (torch.float32,))
-        monkeypatch.setattr(flash_varlen, "_flash", emulated)
-        varlen = est(*inputs)
-    assert calls, "the varlen path did not run"
-    valid = inputs[1].bool().expand(-1, 80, -1)
-    assert float((varlen - sdpa)[valid].abs().max()) <= TIGHT_TOL
+        monkeypatch.setattr(flow_estimator, flag, False)
+        off = est(*inputs)
+        monkeypatch.setattr(flow_estimator, flag, True)
+        for obj, name, value in opened:
+            monkeypatch.setattr(obj, name, value)
+        on = est(*inputs)
+    return off, on, inputs[1].bool().expand(-1, 80, -1)
 
 
 @pytest.fixture(params=["fixture", "full"])
@@ -417,19 +425,12 @@ def test_gelu_epilogue_plumbing_on_cpu(flow: CausalFlow, monkeypatch) -> None:
         calls.append(1)
         return real(*args, **kwargs)
 
-    inputs = _estimator_inputs([40, 33, 7])
-    est = flow.decoder.estimator
-    with torch.inference_mode():
-        monkeypatch.setattr(flow_estimator, "GELU_EPILOGUE", False)
-        eager = est(*inputs)
-        monkeypatch.setattr(flow_estimator, "GELU_EPILOGUE", True)
-        monkeypatch.setattr(flow_estimator, "_EPILOGUE_DEVICES", ("cpu",))
-        monkeypatch.setattr(flow_estimator, "_EPILOGUE_DTYPES", (torch.float32,))
-        monkeypatch.setattr(torch, "_addmm_activation", counted)
-        fused = est(*inputs)
-    n_ffn = sum(isinstance(m, flow_estimator.FeedForward) for m in est.modules())
+    eager, fused, valid = _flag_on_cpu(flow, monkeypatch, "GELU_EPILOGUE", [
+        (flow_estimator, "_EPILOGUE_DEVICES", ("cpu",)), (flow_estimator, "_EPILOGUE_DTYPES", (torch.float32,)),
+        (torch, "_addmm_activation", counted),
+    ])  # fmt: skip
+    n_ffn = sum(isinstance(m, flow_estimator.FeedForward) for m in flow.decoder.estimator.modules())
     assert len(calls) == n_ffn > 0
-    valid = inputs[1].bool().expand(-1, 80, -1)
     assert float((fused - eager)[valid].abs().max()) <= TIGHT_TOL
 
 
