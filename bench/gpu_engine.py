@@ -326,6 +326,7 @@ SWITCHES = {
     "merge": ("voxbatch.worker.cosyvoice2.streaming", "TAIL_MERGE", lambda v: v in ("1", "true")),
     "gelu": ("voxbatch.worker.cosyvoice2.flow_estimator", "GELU_EPILOGUE", lambda v: v in ("1", "true")),
     "source": ("voxbatch.worker.cosyvoice2.hift", "BATCHED_SOURCE", lambda v: v in ("1", "true")),
+    "epilogue": ("voxbatch.worker.cosyvoice2.hift", "FUSED_CONV_EPILOGUE", lambda v: v in ("1", "true")),
 }
 
 

@@ -31,7 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from voxbatch.worker.cosyvoice2.conv_epilogue import conv_epilogue
 from voxbatch.worker.cosyvoice2.derived import DerivedWeight
+from voxbatch.worker.cosyvoice2.lazy_kernel import interpreting
 from voxbatch.worker.cosyvoice2.h2d import host_lengths, split_lengths, to_device
 from voxbatch.worker.cosyvoice2.checkpoint import ModelDirError, check_keys, empty_init, load_state_dict, read_config, section
 
@@ -308,6 +310,25 @@ class Snake(nn.Module):
         return x + (1.0 / (alpha + 1e-9)) * torch.sin(x * alpha).pow(2)
 
 
+# HiFT's masked convs with their bias, mask and residual add as one pass after the conv (Triton, CUDA,
+# fp32: conv_epilogue.py; bit-identical to eager). Read at every call; False keeps eager (CPU always),
+# the benchmark's A/B (`epilogue=0`).
+FUSED_CONV_EPILOGUE = True
+
+
+def masked_conv(conv: nn.Conv1d, x: torch.Tensor, mask: torch.Tensor, skip: torch.Tensor | None = None) -> torch.Tensor:
+    """conv(x) * mask (B, C, T), plus `skip` where given (a residual block's x + ...)."""
+    if FUSED_CONV_EPILOGUE and conv.bias is not None and x.dtype == torch.float32 and (x.is_cuda or interpreting()):
+        y = F.conv1d(x, conv.weight, None, conv.stride, conv.padding, conv.dilation, conv.groups)
+        out = conv_epilogue(y, conv.bias, mask, skip)
+        if out is not None:
+            return out
+        y = (y + conv.bias[None, :, None]) * mask  # = conv(x) * mask: torch adds a cuDNN conv's bias after the conv
+    else:
+        y = conv(x) * mask
+    return y if skip is None else skip + y
+
+
 class ResBlock(nn.Module):
     """HiFi-GAN residual block with Snake activations: per dilation, snake-conv-snake-conv + skip."""
 
@@ -325,9 +346,8 @@ class ResBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         for act1, conv1, act2, conv2 in zip(self.activations1, self.convs1, self.activations2, self.convs2):
-            xt = conv1(act1(x)) * mask
-            xt = conv2(act2(xt)) * mask
-            x = x + xt
+            xt = masked_conv(conv1, act1(x), mask)
+            x = masked_conv(conv2, act2(xt), mask, skip=x)  # x + conv2(...) * mask
         return x
 
 
@@ -457,7 +477,7 @@ class HiFTGenerator(nn.Module):
         s_spec = self._stft(source, wav_lengths).to(self.dtype)  # (B, n_fft + 2, T_spec)
 
         mel_mask = length_mask(mel_lengths, T_mel, self.dtype)
-        x = self.conv_pre(mel.to(self.dtype) * mel_mask) * mel_mask  # (B, C, T_mel)
+        x = masked_conv(self.conv_pre, mel.to(self.dtype) * mel_mask, mel_mask)  # (B, C, T_mel)
         lengths = mel_lengths
         n_up, n_k = len(self.ups), len(d.resblock_kernel_sizes)
         for i, up in enumerate(self.ups):
@@ -468,7 +488,7 @@ class HiFTGenerator(nn.Module):
                 lengths = lengths + 1
             mask = length_mask(lengths, x.shape[2], self.dtype)
             x = x * mask
-            si = self.source_downs[i](s_spec) * mask
+            si = masked_conv(self.source_downs[i], s_spec, mask)
             x = x + self.source_resblocks[i](si, mask)
             x = sum(self.resblocks[i * n_k + j](x, mask) for j in range(n_k)) / n_k
         x = self.conv_post(F.leaky_relu(x))  # default slope 0.01 here, as the official code

@@ -24,22 +24,13 @@ build, which is logged once), and the caller falls back to eager. Under Triton's
 
 from __future__ import annotations
 
-import logging
-import os
-from contextlib import nullcontext
-
 import torch
 
-log = logging.getLogger(__name__)
+from voxbatch.worker.cosyvoice2.lazy_kernel import LazyKernel, interpreting, on_device
 
-_kernel = None  # the jitted kernel, or False once it is known not to work here
 MAX_C = 8192  # widest row one program holds in registers
 ROW_ELEMS = 4096  # elements per program: 16 rows of 256 (8 KB of fp16 read, 8 KB written)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"  # Triton's own switch, read by Triton too
 
 
 def _build():
@@ -77,7 +68,7 @@ def _build():
 def _supported(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, mask: torch.Tensor | None) -> bool:
     C = x.shape[-1] if x.dim() else 0
     return (
-        (x.is_cuda or _interpreting())
+        (x.is_cuda or interpreting())
         and x.dtype in DTYPES
         and x.is_contiguous()
         and 0 < C <= MAX_C
@@ -94,26 +85,24 @@ def fused_layer_norm(
 ) -> torch.Tensor | None:
     """x (..., C) -> F.layer_norm(x, (C,), weight, bias, eps) in x's dtype; with mask (..., 1),
     F.mish(that) * mask. None: use the eager form."""
-    global _kernel
-    if _kernel is False or not _supported(x, weight, bias, mask):
+    if _kernel.failed or not _supported(x, weight, bias, mask):
         return None
-    try:
-        if _kernel is None:
-            _kernel = _build()
-        triton, kernel = _kernel
+
+    def launch(triton, kernel) -> torch.Tensor:
         C = x.shape[-1]
         N = x.numel() // C
         block_c = triton.next_power_of_2(C)
         block_m = max(1, min(16, ROW_ELEMS // block_c))
         out = torch.empty_like(x)
         if N:
-            with torch.cuda.device(x.device) if x.is_cuda else nullcontext():  # Triton launches on the current device
+            with on_device(x):
                 kernel[(triton.cdiv(N, block_m),)](
                     x, weight, bias, x if mask is None else mask, out, N, C, float(eps),
                     BLOCK_M=block_m, BLOCK_C=block_c, MISH=mask is not None, num_warps=max(4, block_m * block_c // 1024),
                 )  # fmt: skip
         return out
-    except Exception as e:  # noqa: BLE001 - no Triton or no kernel: the eager form still works
-        log.warning("fused LayerNorm kernel unavailable (%s: %s); the flow uses eager LayerNorm", type(e).__name__, e)
-        _kernel = False
-        return None
+
+    return _kernel.run(launch)
+
+
+_kernel = LazyKernel(_build, "fused LayerNorm kernel", "the flow uses eager LayerNorm")

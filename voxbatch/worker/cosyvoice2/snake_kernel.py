@@ -13,13 +13,10 @@ kernel that failed to build, which is logged once), and the caller falls back to
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
-log = logging.getLogger(__name__)
+from voxbatch.worker.cosyvoice2.lazy_kernel import LazyKernel, on_device
 
-_kernel = None  # the jitted kernel, or False once it is known not to work here
 BLOCK_T = 1024  # samples per program along time
 
 
@@ -53,20 +50,18 @@ def _build():
 def fused_snake(x: torch.Tensor, alpha_inv: torch.Tensor) -> torch.Tensor | None:
     """x (B, C, T) on CUDA, alpha_inv (2, C) fp32 = [alpha, 1 / (alpha + 1e-9)] -> Snake(x), or None
     (use the eager form)."""
-    global _kernel
-    if _kernel is False or not x.is_contiguous() or x.dim() != 3:
+    if _kernel.failed or not x.is_contiguous() or x.dim() != 3:
         return None
-    try:
-        if _kernel is None:
-            _kernel = _build()
-        triton, kernel = _kernel
+
+    def launch(triton, kernel) -> torch.Tensor:
         B, C, T = x.shape
-        a, inv = alpha_inv[0], alpha_inv[1]
         out = torch.empty_like(x)
         if x.numel():
-            kernel[(B * C, triton.cdiv(T, BLOCK_T))](x, inv, a, out, T, C, BLOCK=BLOCK_T)
+            with on_device(x):
+                kernel[(B * C, triton.cdiv(T, BLOCK_T))](x, alpha_inv[1], alpha_inv[0], out, T, C, BLOCK=BLOCK_T)
         return out
-    except Exception as e:  # noqa: BLE001 - no Triton or no kernel: the eager form still works
-        log.warning("fused Snake kernel unavailable (%s: %s); HiFT uses the eager Snake", type(e).__name__, e)
-        _kernel = False
-        return None
+
+    return _kernel.run(launch)
+
+
+_kernel = LazyKernel(_build, "fused Snake kernel", "HiFT uses the eager Snake")

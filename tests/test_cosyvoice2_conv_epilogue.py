@@ -1,0 +1,145 @@
+"""HiFT's fused conv epilogue, (conv(x) + bias) * mask [+ skip] (worker/cosyvoice2/conv_epilogue.py).
+
+The kernel claims the eager form's roundings in its order, so it is checked bit for bit (torch.equal)
+against (y + bias) * mask [+ skip] on the same conv output: under Triton's interpreter (CPU tensors,
+no GPU) and on CUDA. HiFT with the epilogue on and off: bit-identical on CUDA (torch's cuDNN conv adds
+its bias after the conv, as the kernel does); under the interpreter the eager CPU conv (oneDNN) folds
+the bias into the conv and rounds otherwise, so there the waveforms agree within 1e-5. On CPU without
+the interpreter the flag changes nothing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.triton_interpreter import interpreted, run_interpreted
+from voxbatch.worker.cosyvoice2 import hift as hift_mod
+from voxbatch.worker.cosyvoice2.conv_epilogue import BLOCK_T, conv_epilogue
+from voxbatch.worker.cosyvoice2.hift import HiFTGenerator
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+SHAPES = [(2, 3, 5), (3, 4, BLOCK_T + 37), (1, 1, 2 * BLOCK_T)]  # a row of one block, across blocks, exactly two
+
+
+def test_under_triton_interpreter() -> None:
+    """The `interpreted` tests below, in a child pytest with TRITON_INTERPRET=1 (no GPU needed)."""
+    run_interpreted(__file__)
+
+
+def _inputs(shape: tuple[int, int, int], device: str) -> tuple[torch.Tensor, ...]:
+    """Conv output y, bias, a 0/1 prefix mask per row (one row full, one empty where B > 2), skip."""
+    B, C, T = shape
+    g = torch.Generator().manual_seed(B * C + T)
+    y, skip = torch.randn(B, C, T, generator=g) * 3, torch.randn(B, C, T, generator=g)
+    bias = torch.randn(C, generator=g)
+    lens = [T, *(int(n) for n in torch.randint(0, T + 1, (B - 1,), generator=g))]
+    mask = (torch.arange(T)[None, :] < torch.tensor(lens)[:, None]).float()[:, None]
+    return tuple(t.to(device) for t in (y, bias, mask, skip))
+
+
+def _check_kernel(shape: tuple[int, int, int], device: str) -> None:
+    y, bias, mask, skip = _inputs(shape, device)
+    want = (y + bias[None, :, None]) * mask
+    for s, ref in ((None, want), (skip, skip + want)):
+        got = conv_epilogue(y.clone(), bias, mask, s)
+        assert got is not None and got.shape == y.shape
+        assert torch.equal(got, ref)
+
+
+def _decode(model: HiFTGenerator, fused: bool, device: str, monkeypatch, ref: dict) -> torch.Tensor:
+    """HiFT's decode of a short cut of the fixture's mel with the epilogue on or off; on, every masked
+    conv must have run the kernel (a silent eager fallback would compare eager with itself)."""
+    ran = []
+
+    def counted(*args):
+        out = conv_epilogue(*args)
+        ran.append(out is not None)
+        return out
+
+    monkeypatch.setattr(hift_mod, "conv_epilogue", counted)
+    mel = torch.from_numpy(np.ascontiguousarray(ref["hift_mel"]))[:, :, :24].to(device)  # (1, 80, 24): short, for the interpreter
+    source = torch.from_numpy(np.ascontiguousarray(ref["hift_source"]))[:, :, : 24 * model.d.samples_per_frame].to(device)
+    monkeypatch.setattr(hift_mod, "FUSED_CONV_EPILOGUE", fused)
+    with torch.inference_mode():
+        wav = model.decode(mel, source).cpu()
+    assert not fused or (ran and all(ran)), ran
+    return wav
+
+
+@interpreted
+@pytest.mark.parametrize("shape", SHAPES)
+def test_kernel_interpreted(shape) -> None:
+    _check_kernel(shape, "cpu")
+
+
+@interpreted
+def test_decode_interpreted(tiny_model_dir: Path, ref: dict, monkeypatch) -> None:
+    model = HiFTGenerator.from_model_dir(tiny_model_dir, "cpu", torch.float32)
+    eager, fused = (_decode(model, f, "cpu", monkeypatch, ref) for f in (False, True))
+    assert float((fused - eager).abs().max()) <= 1e-5
+
+
+def test_declines_what_it_does_not_take() -> None:
+    """CPU outside the interpreter, fp16, a mask of the wrong shape, no bias: None (the caller is eager)."""
+    y, bias, mask, _ = _inputs((2, 3, 5), "cpu")
+    assert conv_epilogue(y, bias, mask) is None  # CPU, not interpreting (this process)
+    if torch.cuda.is_available():
+        y, bias, mask = y.cuda(), bias.cuda(), mask.cuda()
+        assert conv_epilogue(y.half(), bias.half(), mask.half()) is None
+        assert conv_epilogue(y, bias, mask[:, :, :4].contiguous()) is None
+        assert conv_epilogue(y, None, mask) is None
+
+
+def test_flag_changes_nothing_on_cpu(tiny_model_dir: Path, ref: dict, monkeypatch) -> None:
+    """Without the interpreter a CPU never reaches the kernel: eager either way, bit for bit."""
+    model = HiFTGenerator.from_model_dir(tiny_model_dir, "cpu", torch.float32)
+    mel, source = (torch.from_numpy(np.ascontiguousarray(ref[k])) for k in ("hift_mel", "hift_source"))
+    wavs = []
+    for flag in (True, False):
+        monkeypatch.setattr(hift_mod, "FUSED_CONV_EPILOGUE", flag)
+        with torch.inference_mode():
+            wavs.append(model.decode(mel, source))
+    assert torch.equal(*wavs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [*SHAPES, (64, 128, 40_000)])
+def test_kernel_on_gpu(shape) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    _check_kernel(shape, "cuda")
+
+
+@pytest.mark.gpu
+def test_decode_bit_identical_on_gpu(tiny_model_dir: Path, ref: dict, monkeypatch) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    model = HiFTGenerator.from_model_dir(tiny_model_dir, "cuda", torch.float32)
+    assert torch.equal(_decode(model, True, "cuda", monkeypatch, ref), _decode(model, False, "cuda", monkeypatch, ref))
+
+
+def test_a_kernel_that_fails_is_logged_once_then_skipped(caplog) -> None:
+    """LazyKernel (the LayerNorm, Snake and conv-epilogue kernels' wrapper): a build that fails is
+    logged once with what falls back, returns None, and is never tried again."""
+    from voxbatch.worker.cosyvoice2.lazy_kernel import LazyKernel
+
+    builds = []
+
+    def build():
+        builds.append(1)
+        raise ImportError("no triton here")
+
+    k = LazyKernel(build, "test kernel", "eager it is")
+    with caplog.at_level("WARNING"):
+        assert k.run(lambda triton, kernel: 1) is None
+        assert k.run(lambda triton, kernel: 1) is None
+    assert k.failed and len(builds) == 1
+    warnings = [r.getMessage() for r in caplog.records if "test kernel" in r.getMessage()]
+    assert warnings == ["test kernel unavailable (ImportError: no triton here); eager it is"]
+    ok = LazyKernel(lambda: ("triton", "kernel"), "fine kernel", "-")
+    assert ok.run(lambda triton, kernel: (triton, kernel)) == ("triton", "kernel") and not ok.failed

@@ -1,0 +1,56 @@
+"""A Triton kernel built on first use that falls back to eager PyTorch for good once it fails.
+
+The engine's Triton kernels (the flow's LayerNorm, HiFT's Snake and conv epilogue) are speed-ups of an
+eager form that always works: where Triton is missing, or a kernel does not build or launch on this
+GPU, the failure is logged once and every later call returns None at once, so the model runs eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, TypeVar
+
+import torch
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def interpreting() -> bool:
+    """Under Triton's interpreter (TRITON_INTERPRET=1, Triton's own switch) kernels take CPU tensors:
+    how the tests run them without a GPU."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def on_device(t: torch.Tensor) -> AbstractContextManager:
+    """Triton launches on the current CUDA device: make it t's (nothing for the interpreter's CPU tensors)."""
+    return torch.cuda.device(t.device) if t.is_cuda else nullcontext()
+
+
+class LazyKernel:
+    """`build()` -> (triton, kernel), called on the first `run`; `what` and `fallback` name the kernel
+    and the eager form in the one warning a failure logs."""
+
+    def __init__(self, build: Callable[[], tuple[Any, Any]], what: str, fallback: str):
+        self.build, self.what, self.fallback = build, what, fallback
+        self.built: tuple[Any, Any] | None | bool = None  # False once it failed here
+
+    @property
+    def failed(self) -> bool:
+        return self.built is False
+
+    def run(self, launch: Callable[[Any, Any], T]) -> T | None:
+        """launch(triton, kernel)'s result, or None once the kernel failed here (use the eager form)."""
+        if self.built is False:
+            return None
+        try:
+            if self.built is None:
+                self.built = self.build()
+            return launch(*self.built)
+        except Exception as e:  # noqa: BLE001 - no Triton or no kernel: the eager form still works
+            log.warning("%s unavailable (%s: %s); %s", self.what, type(e).__name__, e, self.fallback)
+            self.built = False
+            return None
