@@ -18,7 +18,8 @@ Inside, activations are time-major (B, T, C) from input to output: the transform
 LayerNorms and the convs (as matmuls, `CausalConv1d`) all read contiguous rows, with no transposes
 between blocks; the (B, C, T) interface of the official decoder is kept at the boundary.
 On CUDA each LayerNorm is one Triton kernel (`norm_kernel`), the Mish and mask that follow it in
-the causal blocks fused in (`FUSED_NORM`).
+the causal blocks fused in (`FUSED_NORM`), and the FFN's GELU rides in its first matmul's epilogue
+(`GELU_EPILOGUE`).
 
 Module and parameter names mirror the official ones (Matcha-TTS blocks) so `flow.pt` loads
 unchanged; parameter-free slots of the official `nn.Sequential`s are `nn.Identity` placeholders.

@@ -13,9 +13,11 @@ batched row equals the same mel decoded alone.
 
 Precision: the generator may run in bf16/fp16 (`load_hift(..., dtype=)`); the F0 predictor, the
 F0 -> phase integration, the source and the STFT/iSTFT stay fp32, since the phase is a running sum
-over every sample. F0 and the source are computed row by row (see `f0`, `SourceModule`), so a row's
-source does not depend on its batch mates. On CUDA, cuDNN's default TF32 convolutions move fp32
-output by ~1%: turn TF32 off for parity checks.
+over every sample. F0 and the source phase are computed row by row (see `f0`, `SourceModule`), the
+rest of the source with elementwise ops only (batched on CUDA), so a row's source does not depend on
+its batch mates. On CUDA each masked conv's bias, mask and residual add are one Triton pass
+(`masked_conv`, bit-identical), and cuDNN's default TF32 convolutions move fp32 output by ~1%: turn
+TF32 off for parity checks.
 
 Shapes: B batch, T_mel mel frames, T_wav = T_mel * 480 samples (24 kHz), T_spec = T_wav / hop + 1.
 """
