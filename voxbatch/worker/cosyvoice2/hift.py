@@ -35,8 +35,8 @@ from torch import nn
 
 from voxbatch.worker.cosyvoice2.conv_epilogue import conv_epilogue
 from voxbatch.worker.cosyvoice2.derived import DerivedWeight
-from voxbatch.worker.cosyvoice2.lazy_kernel import interpreting
 from voxbatch.worker.cosyvoice2.h2d import host_lengths, split_lengths, to_device
+from voxbatch.worker.cosyvoice2.lazy_kernel import interpreting
 from voxbatch.worker.cosyvoice2.checkpoint import ModelDirError, check_keys, empty_init, load_state_dict, read_config, section
 
 
@@ -193,10 +193,10 @@ def _normal_time_major(B: int, T: int, H: int, generator: torch.Generator | None
 
 # On CUDA the source's sample-rate half (sine, voicing, noise, the harmonic merge, tanh) runs once
 # over the padded batch; only the phase (frame-rate integration, upsampling) stays row by row. Row by
-# row, each of those ~10 passes over (T_wav, H) was a kernel of its own for every row, most of them
-# strided: with the F0 loop, ~28% of HiFT's device time at 128 rows
-# (bench/results/gpu_h200_worker8_profile.txt, the two `elementwise_kernel<128, 2>` lines). Every op
-# there is elementwise, and the merge over harmonics is a fixed chain of multiply-adds, not a matmul
+# row, each of those ~10 passes over (T_wav, H) was a kernel launch of its own for every row: ~2,000
+# fewer launches per 128-row batch, host time the vocoder threads and the LLM thread share (HiFT's
+# device time barely moved, 533 -> 531 ms; engine 293.3x vs 276.6x row by row,
+# bench/results/gpu_h200_worker9.json). Every op there is elementwise, and the merge over harmonics is a fixed chain of multiply-adds, not a matmul
 # whose kernel would depend on the batch's shape, so a row's source is bit-identical in any batch.
 # Read at every call; False keeps the row loop (CPU always: its vectorized sine rounds a row's tail
 # by where the row falls in the batch), the benchmark's A/B (`source=0`).
@@ -320,7 +320,8 @@ FUSED_CONV_EPILOGUE = True
 
 def masked_conv(conv: nn.Conv1d, x: torch.Tensor, mask: torch.Tensor, skip: torch.Tensor | None = None) -> torch.Tensor:
     """conv(x) * mask (B, C, T), plus `skip` where given (a residual block's x + ...)."""
-    if FUSED_CONV_EPILOGUE and conv.bias is not None and x.dtype == torch.float32 and (x.is_cuda or interpreting()):
+    fusable = conv.bias is not None and conv.padding_mode == "zeros" and x.dtype == torch.float32
+    if FUSED_CONV_EPILOGUE and fusable and (x.is_cuda or interpreting()):  # a CPU conv folds its bias in: eager there
         y = F.conv1d(x, conv.weight, None, conv.stride, conv.padding, conv.dilation, conv.groups)
         out = conv_epilogue(y, conv.bias, mask, skip)
         if out is not None:
