@@ -327,6 +327,7 @@ SWITCHES = {
     "gelu": ("voxbatch.worker.cosyvoice2.flow_estimator", "GELU_EPILOGUE", lambda v: v in ("1", "true")),
     "source": ("voxbatch.worker.cosyvoice2.hift", "BATCHED_SOURCE", lambda v: v in ("1", "true")),
     "epilogue": ("voxbatch.worker.cosyvoice2.hift", "FUSED_CONV_EPILOGUE", lambda v: v in ("1", "true")),
+    "fa3": ("voxbatch.worker.cosyvoice2.flash_varlen", "FA3", lambda v: v in ("1", "true")),
 }
 
 
@@ -821,6 +822,7 @@ class Bench:
         (`CosyVoice2Engine.from_settings`), through the worker's Pipeline, fed as a worker feeds it
         (`run_pipeline`): one run per `--engine-runs` configuration, same texts, same process."""
         from voxbatch.settings import Settings
+        from voxbatch.worker.cosyvoice2 import flash_varlen
         from voxbatch.worker.cosyvoice2.engine import CosyVoice2Engine
 
         texts = self.texts()
@@ -838,7 +840,7 @@ class Bench:
                     run_pipeline(engine, texts[: min(len(texts), 2 * settings.batch_size)], self.storage_root, settings)
                     reset_peak(self.devices)
                     r = run_pipeline(engine, texts, self.storage_root, settings)
-                    r.update(config=spec, env={k: v for k, v in env.items() if k not in ("VOXBATCH_MODEL_DIR", "VOXBATCH_STORAGE_URL")},
+                    r.update(config=spec, flow_attention=flash_varlen.kernel(), env={k: v for k, v in env.items() if k not in ("VOXBATCH_MODEL_DIR", "VOXBATCH_STORAGE_URL")},
                              start_and_warmup_s=round(start_s, 1), peak_gpu_gib=peak_gib(self.devices))
                     r["position"] = sum(len(v) for v in repeats.values())  # 0-based place in this stage's run order
                     repeats.setdefault(spec, []).append(r)

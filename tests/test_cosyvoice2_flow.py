@@ -411,6 +411,49 @@ def test_varlen_rows_independent_of_batch_on_gpu(gpu_estimators, monkeypatch) ->
         assert diff <= ALONE_TOL * scale, (n, diff, scale)
 
 
+def test_fa3_declines_without_extension_or_on_cpu(monkeypatch) -> None:
+    """FA3 is an option, never a requirement: with no vLLM extension found it resolves to False (FA2 is
+    used), and on CPU `padded_attention` still declines before asking for it."""
+    monkeypatch.setattr(flash_varlen, "_fa3", None)
+    monkeypatch.setattr(flash_varlen, "fa3_library", lambda: None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert flash_varlen._fa3_call(torch.device("cuda")) is None and flash_varlen._fa3 is False
+    monkeypatch.setattr(flash_varlen, "_fa3", None)
+    monkeypatch.setattr(flash_varlen, "FA3", False)
+    assert flash_varlen._fa3_call(torch.device("cuda")) is None and flash_varlen._fa3 is None  # switched off: not even tried
+    rows = PaddedRows.of(torch.tensor([5, 3]), 5)
+    assert padded_attention(torch.zeros(2, 5, 3, 2, 8, dtype=torch.float16), rows) is None
+
+
+@pytest.mark.gpu
+def test_fa3_as_close_as_fa2_on_gpu(monkeypatch) -> None:
+    """On an sm90 GPU with vLLM's FlashAttention-3 installed: padded rows at CosyVoice2-0.5B's heads
+    (fp16, every query row, keys [0, lens[b])) through FA3 are as close to fp32 SDPA row by row as
+    FlashAttention-2's: max abs error <= 2x FA2's + 1e-3, and FA3 did run."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    if torch.cuda.get_device_capability()[0] != 9 or flash_varlen.fa3_library() is None:
+        pytest.skip("needs an sm90 GPU and vLLM's FlashAttention-3 extension")
+    H, D = FULL_ESTIMATOR.num_heads, FULL_ESTIMATOR.attention_head_dim
+    B, T = len(VARLEN_LENS), max(VARLEN_LENS)
+    qkv = torch.randn(B, T, 3, H, D, generator=torch.Generator().manual_seed(0))
+    flat = qkv.view(B * T, 3, H, D)
+    rows = PaddedRows.of(torch.tensor(VARLEN_LENS), T)
+    ref = _varlen_in_sdpa(flat[:, 0], flat[:, 1], flat[:, 2], rows.cu_seq, T, rows.lens).view(B, T, H, D)
+    gpu_rows = PaddedRows.of(rows.lens.cuda(), T)
+    outs = {}
+    for fa3 in (True, False):
+        for name, value in (("FA3", fa3), ("_fa3", None), ("_flash", None)):
+            monkeypatch.setattr(flash_varlen, name, value)
+        out = padded_attention(qkv.to("cuda", torch.float16), gpu_rows)
+        assert out is not None
+        outs[flash_varlen.kernel()] = out.float().cpu()
+    assert set(outs) == {"fa3", "fa2"}, outs.keys()
+    err = {k: float((v - ref).abs().max()) for k, v in outs.items()}
+    assert torch.isfinite(outs["fa3"]).all()
+    assert err["fa3"] <= 2 * err["fa2"] + 1e-3, err
+
+
 # -- GELU in the FFN matmul's epilogue (flow_estimator.GELU_EPILOGUE) ------------------------------
 
 

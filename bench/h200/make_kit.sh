@@ -15,6 +15,17 @@ ldd "$(command -v redis-server)" | awk '/=> \//{print $3}' | grep -v -E 'libc\.s
   | xargs -r -I{} cp -L {} "$kit/bin/lib/"
 printf '#!/bin/sh\nd=$(dirname "$0")\nLD_LIBRARY_PATH="$d/lib" exec "$d/redis-server" "$@"\n' > "$kit/bin/redis.sh"
 chmod +x "$kit/bin/redis.sh"
+# FlashAttention-3 as vLLM ships it (flash_varlen.py): vLLM 0.26.0 is the release built for the image's
+# torch 2.11 / CUDA 13; only its FA3 op library travels (153 MB, ~8 MB xz-packed), laid out as vLLM's
+# package folder, where flash_varlen.fa3_library looks. run.sh unpacks it where no vLLM is installed.
+if [ ! -f "$kit/fa3.tar.xz" ]; then
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 -d "$kit/cache" vllm==0.26.0
+  fa3tmp=$(mktemp -d)
+  unzip -q "$kit"/cache/vllm-0.26.0-*.whl 'vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so' -d "$fa3tmp"
+  tar cf - -C "$fa3tmp" vllm | xz -9 -T4 > "$kit/fa3.tar.xz"
+  rm -rf "$fa3tmp"
+fi
 cp bench/h200/run.sh "$kit/run.sh"
 rm -rf "$kit/src" && mkdir -p "$kit/src" && git archive HEAD | tar -x -C "$kit/src"
 git rev-parse HEAD > "$kit/src/bench/COMMIT"  # the commit measured (the copy has no .git)

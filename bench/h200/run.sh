@@ -4,6 +4,10 @@ set -o pipefail
 cd "$(dirname "$0")"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site whl/*.whl >/dev/null 2>&1 || { echo "pip install failed"; exit 3; }
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+# vLLM's FlashAttention-3 library (make_kit.sh), where the image has no vLLM of its own.
+if [ -f fa3.tar.xz ] && ! python3 -c "import importlib.util as u, sys; sys.exit(u.find_spec('vllm') is None)"; then
+  mkdir -p /tmp/fa3 && tar xJf fa3.tar.xz -C /tmp/fa3 && export PYTHONPATH=$PYTHONPATH:/tmp/fa3
+fi
 cd src
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,utilization.gpu,memory.used --format=csv
 python3 -c "import voxbatch.cli, voxbatch.worker.main, voxbatch.worker.tasks, pydantic_settings, soundfile, wetext, torch; print('imports ok', torch.__version__)" || exit 4

@@ -23,12 +23,25 @@ added by pytorch/pytorch#175897, March 2026, so the GPU image's 2.11 most likely
 the aten op it wraps, `torch.ops.aten._flash_attention_forward`, which has taken `seqused_k` since
 torch 2.5; the choice is logged (INFO). Any failure (no flash build, an op that changed) is logged
 once and `padded_attention` returns None from then on: the caller uses SDPA.
+
+On Hopper (sm90) FlashAttention-2's kernel runs at ~220 TFLOP/s here, 45% of the flow's device time
+(bench/results/gpu_h200_worker9_profile.txt). FlashAttention-3, written for Hopper's warp-group MMAs
+and TMA, ships inside vLLM (`vllm/vllm_flash_attn/_vllm_fa3_C`), which the mission's workers install
+for the LLM. Where that extension is present and the GPU is sm90 (`FA3`), the same call goes to it:
+the op library is loaded from vLLM's package folder without importing vLLM (whose import pulls in
+its whole runtime), queries as flattened rows (`cu_seqlens_q`), keys as the padded batch (B, T', H,
+D) with `seqused_k`. Anything else (no vLLM, another GPU, a failed load or call) falls back to
+FlashAttention-2, logged once.
 """
 
 from __future__ import annotations
 
+import glob
+import importlib.util
 import inspect
 import logging
+import os
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -40,6 +53,9 @@ FlashCall = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, in
 _flash: FlashCall | None | bool = None  # the resolved call; False once it is known not to work here
 _DEVICES = ("cuda",)  # where flash runs (tests emulate it elsewhere)
 _DTYPES = (torch.float16, torch.bfloat16)
+FA3 = True  # use vLLM's FlashAttention-3 where it is installed and the GPU is sm90 (bench switch `fa3`)
+_fa3: FlashCall | None | bool = None  # the resolved FA3 call; False where it cannot run here
+_fa3_lock = threading.Lock()  # two vocoder threads may meet the first call together
 
 
 @dataclass(frozen=True)
@@ -91,16 +107,87 @@ def _resolve() -> FlashCall:
     return call or _aten()
 
 
+def fa3_library() -> str | None:
+    """vLLM's FlashAttention-3 op library (<vllm>/vllm_flash_attn/_vllm_fa3_C*.so), found through the
+    package's folder: `find_spec` of a top-level package does not import it."""
+    spec = importlib.util.find_spec("vllm")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        found = sorted(glob.glob(os.path.join(root, "vllm_flash_attn", "_vllm_fa3_C*.so")))
+        if found:
+            return found[0]
+    return None
+
+
+def _load_fa3(device: torch.device) -> FlashCall:
+    """The FA3 call on `device` (raises where it cannot run: no extension, not sm90)."""
+    major, minor = torch.cuda.get_device_capability(device)
+    if major != 9:
+        raise RuntimeError(f"FlashAttention-3 needs an sm90 GPU, this one is sm{major}{minor}")
+    path = fa3_library()
+    if path is None:
+        raise ImportError("vLLM's FlashAttention-3 extension (vllm/vllm_flash_attn/_vllm_fa3_C) is not installed")
+    torch.ops.load_library(path)
+    op = torch.ops._vllm_fa3_C.fwd
+
+    def call(q, k, v, cu_seq, T, lens):
+        B, (H, D) = lens.size(0), k.shape[1:]
+        k, v = k.view(B, T, H, D), v.view(B, T, H, D)  # the padded batch; row b's keys [0, lens[b])
+        # (q, k, v, k_new, v_new, q_v, out, cu_seqlens_q, cu_seqlens_k, cu_seqlens_k_new, seqused_q, seqused_k,
+        #  max_seqlen_q, max_seqlen_k, page_table, kv_batch_idx, leftpad_k, rotary_cos, rotary_sin, seqlens_rotary,
+        #  q_descale, k_descale, v_descale, softmax_scale, causal, window_left, window_right, softcap,
+        #  rotary_interleaved, scheduler_metadata, num_splits, pack_gqa, sm_margin, s_aux, cp_world_size, cp_rank,
+        #  cp_tot_seqused_k), vLLM 0.26's signature
+        return op(q, k, v, None, None, None, None, cu_seq, None, None, None, lens, T, T, None, None, None, None, None,
+                  None, None, None, None, D**-0.5, False, -1, -1, 0.0, True, None, 0, None, 0, None, 1, 0, None)[0]
+
+    log.info("flow attention: FlashAttention-3 from %s", path)
+    return call
+
+
+def _fa3_call(device: torch.device) -> FlashCall | None:
+    """The FA3 call where `FA3` is on and it runs here, else None (resolved once, a failure logged once)."""
+    global _fa3
+    if not FA3 or _fa3 is False:
+        return None
+    if _fa3 is None:
+        with _fa3_lock:
+            if _fa3 is None:
+                try:
+                    _fa3 = _load_fa3(device)
+                except Exception as e:  # noqa: BLE001 - FlashAttention-2 still works
+                    log.info("flow attention: no FlashAttention-3 here (%s: %s); FlashAttention-2", type(e).__name__, e)
+                    _fa3 = False
+                    return None
+    return _fa3  # type: ignore[return-value]
+
+
+def kernel() -> str:
+    """Which attention the flow's padded rows got so far: 'fa3', 'fa2', 'sdpa' (flash failed) or
+    'unresolved' (no call yet): what a benchmark run records beside its figures."""
+    if FA3 and callable(_fa3):
+        return "fa3"
+    if callable(_flash):
+        return "fa2"
+    return "sdpa" if _flash is False else "unresolved"
+
+
 def padded_attention(qkv: torch.Tensor, rows: PaddedRows) -> torch.Tensor | None:
     """qkv (B, T', 3, H, D) -> (B, T', H, D), row b attending to keys [0, lens[b]); None where flash
     cannot run here (CPU, fp32, a failed call: use SDPA with the mask)."""
-    global _flash
+    global _flash, _fa3
     if _flash is False or qkv.device.type not in _DEVICES or qkv.dtype not in _DTYPES:
         return None
     B, T, _, H, D = qkv.shape
     if T != rows.frames:
         raise ValueError(f"padded_attention: {T} frames per row, rows made for {rows.frames}")
     flat = qkv.view(B * T, 3, H, D)  # rows of (3, H, D): views below keep D at unit stride
+    fa3 = _fa3_call(qkv.device)
+    if fa3 is not None:
+        try:
+            return fa3(flat[:, 0], flat[:, 1], flat[:, 2], rows.cu_seq, rows.frames, rows.lens).reshape(B, T, H, D)
+        except Exception as e:  # noqa: BLE001 - FlashAttention-2 still works
+            log.warning("FlashAttention-3 call failed (%s: %s); the flow uses FlashAttention-2", type(e).__name__, e)
+            _fa3 = False
     try:
         if _flash is None:
             _flash = _resolve()
