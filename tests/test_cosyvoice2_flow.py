@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 import torch
 
-from voxbatch.worker.cosyvoice2 import flash_varlen, flow_estimator
-from voxbatch.worker.cosyvoice2.checkpoint import ModelDirError
+from voxbatch.worker.cosyvoice2 import flash_varlen, flow, flow_estimator
+from voxbatch.worker.cosyvoice2.checkpoint import ModelDirError, read_config
 from voxbatch.worker.cosyvoice2.flash_varlen import PaddedRows, padded_attention
-from voxbatch.worker.cosyvoice2.flow import CausalFlow, fixed_noise
+from voxbatch.worker.cosyvoice2.flow import CausalFlow, ConditionalFlowMatching, FlowDims, fixed_noise
 from voxbatch.worker.cosyvoice2.flow_encoder import length_mask
 from voxbatch.worker.cosyvoice2.flow_estimator import CausalConditionalDecoder, EstimatorDims
 
@@ -452,6 +452,68 @@ def test_fa3_as_close_as_fa2_on_gpu(monkeypatch) -> None:
     err = {k: float((v - ref).abs().max()) for k, v in outs.items()}
     assert torch.isfinite(outs["fa3"]).all()
     assert err["fa3"] <= 2 * err["fa2"] + 1e-3, err
+
+
+# -- the Euler steps as a CUDA graph (flow.EULER_STEP_GRAPHS) ----------------------------------------
+
+
+def _full_cfm_on_gpu(model_dir: Path) -> tuple[ConditionalFlowMatching, tuple[torch.Tensor, ...], torch.Tensor]:
+    """CosyVoice2-0.5B's estimator shape (seeded random weights, fp16) with the fixture's guidance rate,
+    on CUDA, and (mu, mask, spks, cond) for rows of VARLEN_LENS frames -> (cfm, inputs, valid (B, 80, T))."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    torch.manual_seed(0)
+    cfm = ConditionalFlowMatching(FULL_ESTIMATOR, FlowDims.from_config(read_config(model_dir)).inference_cfg_rate)
+    cfm = cfm.eval().to("cuda", torch.float16)
+    cfm.noise = fixed_noise("cuda")
+    x, mask, mu, _, spks, cond = (a.cuda() for a in _estimator_inputs(VARLEN_LENS))
+    mask = mask.half()
+    return cfm, (mu.half(), mask, spks.half(), cond.half()), mask.bool().expand(-1, 80, -1)
+
+
+@pytest.mark.gpu
+def test_euler_step_graphs_equal_eager_on_gpu(model_dir: Path, monkeypatch) -> None:
+    """On a vocoder thread's own stream, the ODE with steps 2..10 replayed from a CUDA graph gives the
+    eager ODE's mel on every valid frame (max abs <= 1e-4 of the mel's scale: the same kernels on the
+    same inputs; a replay that read stale inputs would miss by the size of a step), twice in a row
+    (the second batch reuses the first's memory pool), and the graph did replay."""
+    cfm, inputs, valid = _full_cfm_on_gpu(model_dir)
+    replays = []
+    real_replay = flow._StepGraph.replay
+    monkeypatch.setattr(flow._StepGraph, "replay", lambda self, t, dt: (replays.append(1), real_replay(self, t, dt)))
+    monkeypatch.setattr(flow, "_graphs_failed", False)
+    with torch.inference_mode(), torch.cuda.stream(torch.cuda.Stream()):
+        monkeypatch.setattr(flow, "EULER_STEP_GRAPHS", False)
+        eager = cfm(*inputs)
+        monkeypatch.setattr(flow, "EULER_STEP_GRAPHS", True)
+        graphed = [cfm(*inputs), cfm(*inputs)]
+        torch.cuda.synchronize()
+    assert not flow._graphs_failed and len(replays) == 2 * (flow.N_TIMESTEPS - 1)
+    scale = float(eager[valid].abs().max())
+    for out in graphed:
+        assert torch.isfinite(out).all()
+        diff = float((out - eager)[valid].abs().max())
+        assert diff <= 1e-4 * scale, (diff, scale)
+
+
+@pytest.mark.gpu
+def test_euler_step_graph_failure_falls_back_on_gpu(model_dir: Path, monkeypatch) -> None:
+    """A capture that fails is logged once, graphs go off for the process, and the batch still gets
+    the eager mel (the captured step never ran, so the ODE state is untouched)."""
+    cfm, inputs, valid = _full_cfm_on_gpu(model_dir)
+    monkeypatch.setattr(flow, "_graphs_failed", False)
+    monkeypatch.setattr(flow, "EULER_STEP_GRAPHS", False)
+    with torch.inference_mode():
+        eager = cfm(*inputs)
+
+        def broken(self, *args, **kwargs):
+            raise RuntimeError("no capture here")
+
+        monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin", broken)
+        monkeypatch.setattr(flow, "EULER_STEP_GRAPHS", True)
+        fallback = cfm(*inputs)
+    assert flow._graphs_failed
+    assert torch.equal(fallback[valid], eager[valid])
 
 
 # -- GELU in the FFN matmul's epilogue (flow_estimator.GELU_EPILOGUE) ------------------------------

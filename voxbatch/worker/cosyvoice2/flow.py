@@ -23,7 +23,9 @@ bf16 max abs 5e-2 (mels span about +-5).
 
 from __future__ import annotations
 
+import logging
 import math
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +39,21 @@ from voxbatch.worker.cosyvoice2.checkpoint import ModelDirError, check_keys, emp
 from voxbatch.worker.cosyvoice2.flow_encoder import EncoderDims, UpsampleConformerEncoder, length_mask
 from voxbatch.worker.cosyvoice2.flow_estimator import CausalConditionalDecoder, EstimatorDims
 from voxbatch.worker.cosyvoice2.h2d import split_lengths
+
+log = logging.getLogger(__name__)
+
+# The ODE's 10 estimator calls on one batch have one shape. Eager, each launches ~1,250 kernels, and the
+# host work of launching them (~0.6 s per batch alone, ~1.2 s with the other vocoder thread and the LLM
+# thread sharing the GIL) bounds every batch smaller than ~60 rows (gpu_h200_worker10_worker.log: a
+# 1-row batch took 1.27 s). So on CUDA the first step runs eagerly (it builds every lazy kernel, plan
+# and workspace), the second is captured as a CUDA graph, and steps 2..10 replay it: one step's launches
+# instead of nine. The graph is the batch's own (its shapes), made again for every batch; a vocoder
+# thread's graphs share one memory pool, so a batch reuses the last one's memory. Replays run the
+# captured kernels on the same inputs: the mel is the eager one's (GPU test). Any capture failure
+# is logged once and the flow stays eager from then on.
+EULER_STEP_GRAPHS = True  # bench switch `graphs`
+_graphs_failed = False
+_per_thread = threading.local()  # capture stream and memory pool per (thread, device); the last graph
 
 # Fixed by the official code, not the yaml.
 N_TIMESTEPS = 10
@@ -90,10 +107,10 @@ def cosine_t_span(n_steps: int, device: torch.device | str = "cpu") -> torch.Ten
 class ConditionalFlowMatching(nn.Module):
     """Euler solver with classifier-free guidance around the U-Net estimator."""
 
-    def __init__(self, dims: FlowDims):
+    def __init__(self, estimator: EstimatorDims, cfg_rate: float):
         super().__init__()
-        self.cfg_rate = dims.inference_cfg_rate
-        self.estimator = CausalConditionalDecoder(dims.estimator)
+        self.cfg_rate = cfg_rate
+        self.estimator = CausalConditionalDecoder(estimator)
         self.noise: torch.Tensor | None = None  # (1, 80, 15000) fp32, set by CausalFlow.from_model_dir / init_noise
 
     def forward(
@@ -116,19 +133,80 @@ class ConditionalFlowMatching(nn.Module):
         mu_in = torch.cat([mu, torch.zeros_like(mu)])
         spks_in = torch.cat([spks, torch.zeros_like(spks)])
         cond_in = torch.cat([cond, torch.zeros_like(cond)])
-        # Time advances as the official solver does it (t += dt, dt = t_span[k+1] - t), in fp32.
+        # Time advances as the official solver does it (t += dt, dt = t_span[k+1] - t), in fp32: the times
+        # and steps of all n_steps, computed up front with the same arithmetic.
+        times, steps = [], []
         t, dt = t_span[0:1], t_span[1] - t_span[0]
-        estimator = self.estimator
         for step in range(1, n_steps + 1):
-            v = estimator(
-                torch.cat([x, x]), mask_in, mu_in, t.expand(2 * B), spks_in, cond_in, streaming=streaming
-            ).float()
-            v_cond, v_uncond = v[:B], v[B:]
-            x = x + dt * ((1.0 + self.cfg_rate) * v_cond - self.cfg_rate * v_uncond)
+            times.append(t)
+            steps.append(dt)
             t = t + dt
             if step < n_steps:
                 dt = t_span[step + 1] - t
+        x = x.clone()  # the ODE state, updated in place: (B, 80, T) fp32
+        branches = (mask_in, mu_in, spks_in, cond_in)
+        graph = None
+        for k in range(n_steps):
+            if graph is not None:
+                graph.replay(times[k], steps[k])
+                continue
+            self._step(x, times[k], steps[k], branches, streaming)
+            if k == 0 and n_steps > 2 and EULER_STEP_GRAPHS and not _graphs_failed and x.is_cuda:
+                graph = _StepGraph.capture(self, x, times[k], steps[k], branches, streaming)
         return x
+
+    def _step(self, x: torch.Tensor, t: torch.Tensor, dt: torch.Tensor, branches: tuple, streaming: bool) -> None:
+        """One Euler step in place: x += dt * ((1 + r) v(x | mu, spks, cond) - r v(x | 0, 0, 0)), both
+        branches as one batch of 2B; t and dt (1,) fp32."""
+        B = x.size(0)
+        mask_in, mu_in, spks_in, cond_in = branches
+        v = self.estimator(torch.cat([x, x]), mask_in, mu_in, t.expand(2 * B), spks_in, cond_in, streaming=streaming).float()
+        v_cond, v_uncond = v[:B], v[B:]
+        x.add_(dt * ((1.0 + self.cfg_rate) * v_cond - self.cfg_rate * v_uncond))
+
+
+class _StepGraph:
+    """One batch's Euler step as a CUDA graph over the batch's own tensors (x and the branches stay
+    where they are; t and dt are copied into the graph's inputs before each replay)."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, t: torch.Tensor, dt: torch.Tensor):
+        self.graph, self.t, self.dt = graph, t, dt
+
+    @classmethod
+    def capture(cls, cfm: ConditionalFlowMatching, x: torch.Tensor, t: torch.Tensor, dt: torch.Tensor,
+                branches: tuple, streaming: bool) -> _StepGraph | None:
+        """Captured on this thread's side stream (a capture may not run on the legacy default stream),
+        in thread-local mode (the other threads' CUDA calls go on), into this thread's pool; None,
+        with the failure logged once and graphs off from then on, where it cannot be captured."""
+        global _graphs_failed
+        dev = x.device
+        slot = getattr(_per_thread, str(dev), None)
+        if slot is None:
+            slot = {"stream": torch.cuda.Stream(dev), "pool": torch.cuda.graph_pool_handle(), "last": None}
+            setattr(_per_thread, str(dev), slot)
+        side, current = slot["stream"], torch.cuda.current_stream(dev)
+        t_in, dt_in = t.clone(), dt.clone()
+        graph = torch.cuda.CUDAGraph()
+        side.wait_stream(current)  # x, the branches and t_in/dt_in are written on `current`
+        try:
+            with torch.cuda.stream(side):
+                graph.capture_begin(pool=slot["pool"], capture_error_mode="thread_local")
+                try:
+                    cfm._step(x, t_in, dt_in, branches, streaming)
+                finally:
+                    graph.capture_end()
+        except Exception as e:  # noqa: BLE001 - the eager steps still work
+            log.warning("flow step CUDA graph unavailable (%s: %s); the flow runs eagerly", type(e).__name__, e)
+            _graphs_failed = True
+            return None
+        current.wait_stream(side)
+        slot["last"] = graph  # the pool's previous graph (a finished batch's) is released only now
+        return cls(graph, t_in, dt_in)
+
+    def replay(self, t: torch.Tensor, dt: torch.Tensor) -> None:
+        self.t.copy_(t)
+        self.dt.copy_(dt)
+        self.graph.replay()
 
 
 class CausalFlow(nn.Module):
@@ -141,7 +219,7 @@ class CausalFlow(nn.Module):
         self.spk_embed_affine_layer = nn.Linear(dims.spk_embed_dim, dims.output_size)
         self.encoder = UpsampleConformerEncoder(dims.encoder)
         self.encoder_proj = nn.Linear(dims.encoder.output_size, dims.output_size)
-        self.decoder = ConditionalFlowMatching(dims)
+        self.decoder = ConditionalFlowMatching(dims.estimator, dims.inference_cfg_rate)
 
     # -- loading --------------------------------------------------------------------------------
 
