@@ -21,10 +21,11 @@ import numpy as np
 import pytest
 import torch
 
-from voxbatch.worker.cosyvoice2 import flash_varlen, flow, flow_estimator
+from voxbatch.worker.cosyvoice2 import flash_varlen, flow_estimator
+from voxbatch.worker.cosyvoice2 import flow as flow_module
 from voxbatch.worker.cosyvoice2.checkpoint import ModelDirError, read_config
 from voxbatch.worker.cosyvoice2.flash_varlen import PaddedRows, padded_attention
-from voxbatch.worker.cosyvoice2.flow import CausalFlow, ConditionalFlowMatching, FlowDims, fixed_noise
+from voxbatch.worker.cosyvoice2.flow import CausalFlow, ConditionalFlowMatching, FlowDims, cosine_t_span, euler_schedule, fixed_noise
 from voxbatch.worker.cosyvoice2.flow_encoder import length_mask
 from voxbatch.worker.cosyvoice2.flow_estimator import CausalConditionalDecoder, EstimatorDims
 
@@ -457,6 +458,51 @@ def test_fa3_as_close_as_fa2_on_gpu(monkeypatch) -> None:
 # -- the Euler steps as a CUDA graph (flow.EULER_STEP_GRAPHS) ----------------------------------------
 
 
+def test_euler_schedule_is_the_official_arithmetic() -> None:
+    """Times and steps of every Euler step: (1,) fp32 each (a captured step copies any of them into
+    the same inputs), bit-equal to the official loop's running t += dt, dt = t_span[k+1] - t."""
+    t_span = cosine_t_span(flow_module.N_TIMESTEPS)
+    times, steps = euler_schedule(t_span)
+    assert len(times) == len(steps) == flow_module.N_TIMESTEPS
+    t, dt = t_span[0], t_span[1] - t_span[0]
+    for k, (tk, dk) in enumerate(zip(times, steps)):
+        assert tk.shape == dk.shape == (1,) and tk.dtype == dk.dtype == torch.float32
+        assert float(tk) == float(t) and float(dk) == float(dt), k
+        t = t + dt
+        if k + 1 < flow_module.N_TIMESTEPS:
+            dt = t_span[k + 2] - t
+
+
+def test_euler_replay_plumbing_on_cpu(flow: CausalFlow, monkeypatch) -> None:
+    """The ODE loop's graph path on CPU, with a stand-in graph that runs the captured step eagerly on
+    the inputs `_StepGraph` copies each step's t and dt into: the mel equals the eager loop's exactly,
+    and steps 2..N went through the replay (what a real graph replays: GPU test below)."""
+    inputs = _estimator_inputs([40, 33, 7])
+    _, mask, mu, _, spks, cond = inputs
+    cfm = flow.decoder
+    replays = []
+
+    class EagerGraph:
+        def __init__(self, step):
+            self.step = step
+
+        def replay(self):
+            replays.append(1)
+            self.step()
+
+    def capture(cfm_, x, t, dt, branches, streaming):
+        t_in, dt_in = t.clone(), dt.clone()
+        return flow_module._StepGraph(EagerGraph(lambda: cfm_._step(x, t_in, dt_in, branches, streaming)), t_in, dt_in)
+
+    with torch.inference_mode():
+        eager = cfm(mu, mask, spks, cond)
+        monkeypatch.setattr(flow_module, "_capturable", lambda x: True)
+        monkeypatch.setattr(flow_module._StepGraph, "capture", staticmethod(capture))
+        replayed = cfm(mu, mask, spks, cond)
+    assert len(replays) == flow_module.N_TIMESTEPS - 1
+    assert torch.equal(replayed, eager)
+
+
 def _full_cfm_on_gpu(model_dir: Path) -> tuple[ConditionalFlowMatching, tuple[torch.Tensor, ...], torch.Tensor]:
     """CosyVoice2-0.5B's estimator shape (seeded random weights, fp16) with the fixture's guidance rate,
     on CUDA, and (mu, mask, spks, cond) for rows of VARLEN_LENS frames -> (cfm, inputs, valid (B, 80, T))."""
@@ -479,16 +525,16 @@ def test_euler_step_graphs_equal_eager_on_gpu(model_dir: Path, monkeypatch) -> N
     (the second batch reuses the first's memory pool), and the graph did replay."""
     cfm, inputs, valid = _full_cfm_on_gpu(model_dir)
     replays = []
-    real_replay = flow._StepGraph.replay
-    monkeypatch.setattr(flow._StepGraph, "replay", lambda self, t, dt: (replays.append(1), real_replay(self, t, dt)))
-    monkeypatch.setattr(flow, "_graphs_failed", False)
+    real_replay = flow_module._StepGraph.replay
+    monkeypatch.setattr(flow_module._StepGraph, "replay", lambda self, t, dt: (replays.append(1), real_replay(self, t, dt)))
+    monkeypatch.setattr(flow_module, "_graphs_failed", False)
     with torch.inference_mode(), torch.cuda.stream(torch.cuda.Stream()):
-        monkeypatch.setattr(flow, "EULER_STEP_GRAPHS", False)
+        monkeypatch.setattr(flow_module, "EULER_STEP_GRAPHS", False)
         eager = cfm(*inputs)
-        monkeypatch.setattr(flow, "EULER_STEP_GRAPHS", True)
+        monkeypatch.setattr(flow_module, "EULER_STEP_GRAPHS", True)
         graphed = [cfm(*inputs), cfm(*inputs)]
         torch.cuda.synchronize()
-    assert not flow._graphs_failed and len(replays) == 2 * (flow.N_TIMESTEPS - 1)
+    assert not flow_module._graphs_failed and len(replays) == 2 * (flow_module.N_TIMESTEPS - 1)
     scale = float(eager[valid].abs().max())
     for out in graphed:
         assert torch.isfinite(out).all()
@@ -501,8 +547,8 @@ def test_euler_step_graph_failure_falls_back_on_gpu(model_dir: Path, monkeypatch
     """A capture that fails is logged once, graphs go off for the process, and the batch still gets
     the eager mel (the captured step never ran, so the ODE state is untouched)."""
     cfm, inputs, valid = _full_cfm_on_gpu(model_dir)
-    monkeypatch.setattr(flow, "_graphs_failed", False)
-    monkeypatch.setattr(flow, "EULER_STEP_GRAPHS", False)
+    monkeypatch.setattr(flow_module, "_graphs_failed", False)
+    monkeypatch.setattr(flow_module, "EULER_STEP_GRAPHS", False)
     with torch.inference_mode():
         eager = cfm(*inputs)
 
@@ -510,9 +556,9 @@ def test_euler_step_graph_failure_falls_back_on_gpu(model_dir: Path, monkeypatch
             raise RuntimeError("no capture here")
 
         monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin", broken)
-        monkeypatch.setattr(flow, "EULER_STEP_GRAPHS", True)
+        monkeypatch.setattr(flow_module, "EULER_STEP_GRAPHS", True)
         fallback = cfm(*inputs)
-    assert flow._graphs_failed
+    assert flow_module._graphs_failed
     assert torch.equal(fallback[valid], eager[valid])
 
 

@@ -104,6 +104,22 @@ def cosine_t_span(n_steps: int, device: torch.device | str = "cpu") -> torch.Ten
     return 1 - torch.cos(s * 0.5 * math.pi)
 
 
+def euler_schedule(t_span: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Each Euler step's time and step size, (1,) fp32 each, with the official solver's arithmetic
+    (t += dt, dt = t_span[k+1] - t, not t_span's differences): all of one shape, so a captured step
+    takes any of them as its inputs."""
+    n_steps = t_span.numel() - 1
+    times, steps = [], []
+    t, dt = t_span[0:1], (t_span[1] - t_span[0]).reshape(1)
+    for step in range(1, n_steps + 1):
+        times.append(t)
+        steps.append(dt)
+        t = t + dt
+        if step < n_steps:
+            dt = t_span[step + 1] - t
+    return times, steps
+
+
 class ConditionalFlowMatching(nn.Module):
     """Euler solver with classifier-free guidance around the U-Net estimator."""
 
@@ -133,16 +149,7 @@ class ConditionalFlowMatching(nn.Module):
         mu_in = torch.cat([mu, torch.zeros_like(mu)])
         spks_in = torch.cat([spks, torch.zeros_like(spks)])
         cond_in = torch.cat([cond, torch.zeros_like(cond)])
-        # Time advances as the official solver does it (t += dt, dt = t_span[k+1] - t), in fp32: the times
-        # and steps of all n_steps, computed up front with the same arithmetic.
-        times, steps = [], []
-        t, dt = t_span[0:1], t_span[1] - t_span[0]
-        for step in range(1, n_steps + 1):
-            times.append(t)
-            steps.append(dt)
-            t = t + dt
-            if step < n_steps:
-                dt = t_span[step + 1] - t
+        times, steps = euler_schedule(t_span)
         x = x.clone()  # the ODE state, updated in place: (B, 80, T) fp32
         branches = (mask_in, mu_in, spks_in, cond_in)
         graph = None
@@ -151,7 +158,7 @@ class ConditionalFlowMatching(nn.Module):
                 graph.replay(times[k], steps[k])
                 continue
             self._step(x, times[k], steps[k], branches, streaming)
-            if k == 0 and n_steps > 2 and EULER_STEP_GRAPHS and not _graphs_failed and x.is_cuda:
+            if k == 0 and n_steps > 2 and _capturable(x):
                 graph = _StepGraph.capture(self, x, times[k], steps[k], branches, streaming)
         return x
 
@@ -163,6 +170,10 @@ class ConditionalFlowMatching(nn.Module):
         v = self.estimator(torch.cat([x, x]), mask_in, mu_in, t.expand(2 * B), spks_in, cond_in, streaming=streaming).float()
         v_cond, v_uncond = v[:B], v[B:]
         x.add_(dt * ((1.0 + self.cfg_rate) * v_cond - self.cfg_rate * v_uncond))
+
+
+def _capturable(x: torch.Tensor) -> bool:
+    return EULER_STEP_GRAPHS and not _graphs_failed and x.is_cuda
 
 
 class _StepGraph:
