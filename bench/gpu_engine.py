@@ -328,6 +328,7 @@ SWITCHES = {
     "source": ("voxbatch.worker.cosyvoice2.hift", "BATCHED_SOURCE", lambda v: v in ("1", "true")),
     "epilogue": ("voxbatch.worker.cosyvoice2.hift", "FUSED_CONV_EPILOGUE", lambda v: v in ("1", "true")),
     "fa3": ("voxbatch.worker.cosyvoice2.flash_varlen", "FA3", lambda v: v in ("1", "true")),
+    "fa3_splits": ("voxbatch.worker.cosyvoice2.flash_varlen", "FA3_SPLITS", int),
     "graphs": ("voxbatch.worker.cosyvoice2.flow", "EULER_STEP_GRAPHS", lambda v: v in ("1", "true")),
 }
 

@@ -54,6 +54,10 @@ _flash: FlashCall | None | bool = None  # the resolved call; False once it is kn
 _DEVICES = ("cuda",)  # where flash runs (tests emulate it elsewhere)
 _DTYPES = (torch.float16, torch.bfloat16)
 FA3 = True  # use vLLM's FlashAttention-3 where it is installed and the GPU is sm90 (bench switch `fa3`)
+# FA3's key splits: 0 lets its heuristic choose. It split the flow's keys and ran a combine kernel after
+# every call (65 ms of a 128-row batch's 1.70 s, gpu_h200_worker12b_profile.txt), though 2B rows x 8
+# heads of query blocks fill the GPU without splitting. Bench switch `fa3_splits`.
+FA3_SPLITS = 1
 _fa3: FlashCall | None | bool = None  # the resolved FA3 call; False where it cannot run here
 _fa3_lock = threading.Lock()  # two vocoder threads may meet the first call together
 
@@ -138,7 +142,7 @@ def _load_fa3(device: torch.device) -> FlashCall:
         #  rotary_interleaved, scheduler_metadata, num_splits, pack_gqa, sm_margin, s_aux, cp_world_size, cp_rank,
         #  cp_tot_seqused_k), vLLM 0.26's signature
         return op(q, k, v, None, None, None, None, cu_seq, None, None, None, lens, T, T, None, None, None, None, None,
-                  None, None, None, None, D**-0.5, False, -1, -1, 0.0, True, None, 0, None, 0, None, 1, 0, None)[0]
+                  None, None, None, None, D**-0.5, False, -1, -1, 0.0, True, None, FA3_SPLITS, None, 0, None, 1, 0, None)[0]
 
     log.info("flow attention: FlashAttention-3 from %s", path)
     return call
