@@ -54,10 +54,11 @@ _flash: FlashCall | None | bool = None  # the resolved call; False once it is kn
 _DEVICES = ("cuda",)  # where flash runs (tests emulate it elsewhere)
 _DTYPES = (torch.float16, torch.bfloat16)
 FA3 = True  # use vLLM's FlashAttention-3 where it is installed and the GPU is sm90 (bench switch `fa3`)
-# FA3's key splits: 0 lets its heuristic choose. It split the flow's keys and ran a combine kernel after
-# every call (65 ms of a 128-row batch's 1.70 s, gpu_h200_worker12b_profile.txt), though 2B rows x 8
-# heads of query blocks fill the GPU without splitting. Bench switch `fa3_splits`.
-FA3_SPLITS = 1
+# FA3's key splits (num_splits), 0: its own heuristic, what every H200 result measured. The heuristic splits
+# the flow's keys and runs a combine kernel after every call (65 ms of a 128-row batch's 1.70 s,
+# gpu_h200_worker12b_profile.txt) although 2B rows x 8 heads of query blocks fill the GPU unsplit;
+# `fa3_splits=1` (bench switch) is the A/B to run, not yet measured.
+FA3_SPLITS = 0
 _fa3: FlashCall | None | bool = None  # the resolved FA3 call; False where it cannot run here
 _fa3_lock = threading.Lock()  # two vocoder threads may meet the first call together
 
