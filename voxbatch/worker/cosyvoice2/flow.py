@@ -43,14 +43,16 @@ from voxbatch.worker.cosyvoice2.h2d import split_lengths
 log = logging.getLogger(__name__)
 
 # The ODE's 10 estimator calls on one batch have one shape. Eager, each launches ~1,250 kernels, and the
-# host work of launching them (~0.6 s per batch alone, ~1.2 s with the other vocoder thread and the LLM
-# thread sharing the GIL) bounds every batch smaller than ~60 rows (gpu_h200_worker10_worker.log: a
-# 1-row batch took 1.27 s). So on CUDA the first step runs eagerly (it builds every lazy kernel, plan
-# and workspace), the second is captured as a CUDA graph, and steps 2..10 replay it: one step's launches
-# instead of nine. The graph is the batch's own (its shapes), made again for every batch; a vocoder
-# thread's graphs share one memory pool, so a batch reuses the last one's memory. Replays run the
-# captured kernels on the same inputs: the mel is the eager one's (GPU test). Any capture failure
-# is logged once and the flow stays eager from then on.
+# host work of launching them, shared through the GIL with the other vocoder thread and the LLM thread,
+# bounds small batches (gpu_h200_worker10_worker.log: a 1-row batch took 1.27 s beside another batch).
+# So on CUDA the first step runs eagerly (it builds every lazy kernel, plan and workspace), the second
+# is captured as a CUDA graph, and steps 2..10 replay it: one step's launches instead of nine. The
+# graph is the batch's own (its shapes), made again for every batch; a vocoder thread's graphs share
+# one memory pool, so a batch reuses the last one's memory. Replays run the captured kernels on the
+# same inputs: the mel is the eager one's (GPU test). Any capture failure is logged once and the flow
+# stays eager from then on. Engine on the H200: 312.7x (312.7, 318.3) with vs 306.9x (306.9, 313.1)
+# without, runs in A B B A order (bench/results/gpu_h200_worker12.json): ahead in both pairs, by less
+# than the run-to-run spread.
 EULER_STEP_GRAPHS = True  # bench switch `graphs`
 _graphs_failed = False
 _per_thread = threading.local()  # capture stream and memory pool per (thread, device); the last graph
