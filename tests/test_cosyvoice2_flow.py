@@ -426,6 +426,56 @@ def test_fa3_declines_without_extension_or_on_cpu(monkeypatch) -> None:
     assert padded_attention(torch.zeros(2, 5, 3, 2, 8, dtype=torch.float16), rows) is None
 
 
+# vLLM 0.26.0's `_vllm_fa3_C::fwd` schema, as its op library registers it (the names our call binds to).
+FA3_SCHEMA = (
+    "Tensor(a!) q, Tensor k, Tensor v, Tensor? k_new, Tensor? v_new, Tensor? q_v, Tensor(b!)? out, "
+    "Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, Tensor? cu_seqlens_k_new, Tensor? seqused_q, Tensor? seqused_k, "
+    "int? max_seqlen_q, int? max_seqlen_k, Tensor? page_table, Tensor? kv_batch_idx, Tensor? leftpad_k, "
+    "Tensor? rotary_cos, Tensor? rotary_sin, Tensor? seqlens_rotary, Tensor? q_descale, Tensor? k_descale, "
+    "Tensor? v_descale, float softmax_scale, bool is_causal, int window_size_left, int window_size_right, "
+    "float softcap, bool is_rotary_interleaved, Tensor? scheduler_metadata, int num_splits, bool? pack_gqa, "
+    "int sm_margin, Tensor? s_aux, int cp_world_size, int cp_rank, Tensor? cp_tot_seqused_k"
+)
+
+
+def _fa3_on_cpu(name: str, schema: str):
+    """A CPU op under FA3's schema computing what the real one does for our arguments: queries varlen
+    by cu_seqlens_q, keys the padded batch (B, T, H, D) cut at seqused_k[b]."""
+    lib = torch.library.Library(name, "DEF")
+    lib.define(f"fwd({schema}) -> Tensor[]")
+
+    def fwd(q, k, v, *args, **kw):
+        bound = dict(zip([a.split()[-1] for a in FA3_SCHEMA.split(", ")][3:], args)) | kw
+        cu, used, T = bound["cu_seqlens_q"], bound["seqused_k"], bound["max_seqlen_q"]
+        assert bound["cu_seqlens_k"] is None and not bound["is_causal"] and bound["softmax_scale"] == q.size(-1) ** -0.5
+        out = torch.empty_like(q)
+        for b in range(used.size(0)):
+            n, start = int(used[b]), int(cu[b])
+            qs, ks, vs = q[start : start + T].transpose(0, 1), k[b, :n].transpose(0, 1), v[b, :n].transpose(0, 1)
+            out[start : start + T] = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs).transpose(0, 1)
+        return [out, torch.empty(0)]
+
+    lib.impl("fwd", fwd, "CPU")
+    return lib, getattr(torch.ops, name).fwd
+
+
+def test_fa3_call_binds_by_name_and_computes_padded_rows() -> None:
+    """Our FA3 call names every argument of vLLM 0.26's schema and puts our rows where the op reads
+    them: against an op of that schema computing FA3's semantics on CPU it equals the row-by-row SDPA
+    emulation of the varlen call (1e-6); an op whose schema gained an argument refuses the call
+    (FlashAttention-2 is used then) rather than reading our values as other arguments."""
+    lib, op = _fa3_on_cpu("voxbatch_test_fa3", FA3_SCHEMA)
+    B, T, H, D = 3, 9, 2, 8
+    qkv = torch.randn(B * T, 3, H, D, generator=torch.Generator().manual_seed(0))
+    rows = PaddedRows.of(torch.tensor([9, 4, 1]), T)
+    args = (qkv[:, 0], qkv[:, 1], qkv[:, 2], rows.cu_seq, T, rows.lens)
+    got = flash_varlen.bind_fa3(op)(*args)
+    assert float((got - _varlen_in_sdpa(*args)).abs().max()) <= 1e-6
+    lib2, op2 = _fa3_on_cpu("voxbatch_test_fa3_new", FA3_SCHEMA.replace("int sm_margin", "int new_arg, int sm_margin"))
+    with pytest.raises((RuntimeError, TypeError)):
+        flash_varlen.bind_fa3(op2)(*args)
+
+
 @pytest.mark.gpu
 def test_fa3_as_close_as_fa2_on_gpu(monkeypatch) -> None:
     """On an sm90 GPU with vLLM's FlashAttention-3 installed: padded rows at CosyVoice2-0.5B's heads

@@ -134,20 +134,27 @@ def _load_fa3(device: torch.device) -> FlashCall:
     if path is None:
         raise ImportError("vLLM's FlashAttention-3 extension (vllm/vllm_flash_attn/_vllm_fa3_C) is not installed")
     torch.ops.load_library(path)
-    op = torch.ops._vllm_fa3_C.fwd
+    log.info("flow attention: FlashAttention-3 from %s", path)
+    return bind_fa3(torch.ops._vllm_fa3_C.fwd)
+
+
+def bind_fa3(op) -> FlashCall:
+    """Our padded-rows call on vLLM's FA3 `fwd` op (q varlen by `cu_seq`, keys the padded batch)."""
+    # Every argument by its name in the op's schema (vLLM 0.26's), none by position: a vLLM whose op
+    # renamed, added or dropped one fails the first call (FlashAttention-2 from then on) instead of
+    # reading our values as other arguments.
+    unused = ("k_new", "v_new", "q_v", "out", "cu_seqlens_k", "cu_seqlens_k_new", "seqused_q", "page_table", "kv_batch_idx",
+              "leftpad_k", "rotary_cos", "rotary_sin", "seqlens_rotary", "q_descale", "k_descale", "v_descale",
+              "scheduler_metadata", "pack_gqa", "s_aux", "cp_tot_seqused_k")
+    fixed = dict.fromkeys(unused) | dict(is_causal=False, window_size_left=-1, window_size_right=-1, softcap=0.0,
+                                         is_rotary_interleaved=True, sm_margin=0, cp_world_size=1, cp_rank=0)
 
     def call(q, k, v, cu_seq, T, lens):
         B, (H, D) = lens.size(0), k.shape[1:]
         k, v = k.view(B, T, H, D), v.view(B, T, H, D)  # the padded batch; row b's keys [0, lens[b])
-        # (q, k, v, k_new, v_new, q_v, out, cu_seqlens_q, cu_seqlens_k, cu_seqlens_k_new, seqused_q, seqused_k,
-        #  max_seqlen_q, max_seqlen_k, page_table, kv_batch_idx, leftpad_k, rotary_cos, rotary_sin, seqlens_rotary,
-        #  q_descale, k_descale, v_descale, softmax_scale, causal, window_left, window_right, softcap,
-        #  rotary_interleaved, scheduler_metadata, num_splits, pack_gqa, sm_margin, s_aux, cp_world_size, cp_rank,
-        #  cp_tot_seqused_k), vLLM 0.26's signature
-        return op(q, k, v, None, None, None, None, cu_seq, None, None, None, lens, T, T, None, None, None, None, None,
-                  None, None, None, None, D**-0.5, False, -1, -1, 0.0, True, None, FA3_SPLITS, None, 0, None, 1, 0, None)[0]
+        return op(q=q, k=k, v=v, cu_seqlens_q=cu_seq, seqused_k=lens, max_seqlen_q=T, max_seqlen_k=T,
+                  softmax_scale=D**-0.5, num_splits=FA3_SPLITS, **fixed)[0]
 
-    log.info("flow attention: FlashAttention-3 from %s", path)
     return call
 
 
