@@ -329,6 +329,7 @@ SWITCHES = {
     "epilogue": ("voxbatch.worker.cosyvoice2.hift", "FUSED_CONV_EPILOGUE", lambda v: v in ("1", "true")),
     "fa3": ("voxbatch.worker.cosyvoice2.flash_varlen", "FA3", lambda v: v in ("1", "true")),
     "fa3_splits": ("voxbatch.worker.cosyvoice2.flash_varlen", "FA3_SPLITS", int),
+    "fa3_q": ("voxbatch.worker.cosyvoice2.flash_varlen", "FA3_SKIP_PADDING", lambda v: v in ("1", "true")),
     "graphs": ("voxbatch.worker.cosyvoice2.flow", "EULER_STEP_GRAPHS", lambda v: v in ("1", "true")),
 }
 

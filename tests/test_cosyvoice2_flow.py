@@ -446,13 +446,14 @@ def _fa3_on_cpu(name: str, schema: str):
 
     def fwd(q, k, v, *args, **kw):
         bound = dict(zip([a.split()[-1] for a in FA3_SCHEMA.split(", ")][3:], args)) | kw
-        cu, used, T = bound["cu_seqlens_q"], bound["seqused_k"], bound["max_seqlen_q"]
+        cu, used, T, used_q = bound["cu_seqlens_q"], bound["seqused_k"], bound["max_seqlen_q"], bound["seqused_q"]
         assert bound["cu_seqlens_k"] is None and not bound["is_causal"] and bound["softmax_scale"] == q.size(-1) ** -0.5
-        out = torch.empty_like(q)
+        out = torch.full_like(q, float("nan")) if bound["out"] is None else bound["out"]
         for b in range(used.size(0)):
             n, start = int(used[b]), int(cu[b])
-            qs, ks, vs = q[start : start + T].transpose(0, 1), k[b, :n].transpose(0, 1), v[b, :n].transpose(0, 1)
-            out[start : start + T] = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs).transpose(0, 1)
+            nq = T if used_q is None else int(used_q[b])  # rows past seqused_q[b] are not written
+            qs, ks, vs = q[start : start + nq].transpose(0, 1), k[b, :n].transpose(0, 1), v[b, :n].transpose(0, 1)
+            out[start : start + nq] = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs).transpose(0, 1)
         return [out, torch.empty(0)]
 
     lib.impl("fwd", fwd, "CPU")
@@ -476,11 +477,46 @@ def test_fa3_call_binds_by_name_and_computes_padded_rows() -> None:
         flash_varlen.bind_fa3(op2)(*args)
 
 
+def test_fa3_skipping_padding_queries(monkeypatch) -> None:
+    """With FA3_SKIP_PADDING the call asks for the valid queries only (`seqused_q`) into a zeroed
+    output: valid rows equal the emulation's, padding rows are zero (finite: the flattened causal
+    convs shift a row's last frames into the next row's start, masked to zero)."""
+    lib, op = _fa3_on_cpu("voxbatch_test_fa3_skip", FA3_SCHEMA)
+    monkeypatch.setattr(flash_varlen, "FA3_SKIP_PADDING", True)
+    B, T, H, D = 3, 9, 2, 8
+    qkv = torch.randn(B * T, 3, H, D, generator=torch.Generator().manual_seed(1))
+    lens = [9, 4, 1]
+    rows = PaddedRows.of(torch.tensor(lens), T)
+    args = (qkv[:, 0], qkv[:, 1], qkv[:, 2], rows.cu_seq, T, rows.lens)
+    got, ref = flash_varlen.bind_fa3(op)(*args).view(B, T, H, D), _varlen_in_sdpa(*args).view(B, T, H, D)
+    for b, n in enumerate(lens):
+        assert float((got[b, :n] - ref[b, :n]).abs().max()) <= 1e-6
+        assert not got[b, n:].any()
+
+
+def test_padding_queries_output_is_never_read(flow: CausalFlow, monkeypatch) -> None:
+    """The estimator's valid frames do not depend on what attention gives the padding frames: with
+    their rows zeroed (what FA3_SKIP_PADDING leaves there) the output on valid frames equals the
+    masked-SDPA estimator's within 1e-5."""
+
+    def zero_padding(q, k, v, cu_seq, T, lens):
+        out = _varlen_in_sdpa(q, k, v, cu_seq, T, lens)
+        for b in range(lens.size(0)):
+            out[int(cu_seq[b]) + int(lens[b]) : int(cu_seq[b]) + T] = 0
+        return out
+
+    sdpa, skipped, valid = _flag_on_cpu(flow, monkeypatch, "VARLEN_ATTENTION", [
+        (flash_varlen, "_DEVICES", ("cpu",)), (flash_varlen, "_DTYPES", (torch.float32,)), (flash_varlen, "_flash", zero_padding),
+    ])  # fmt: skip
+    assert float((skipped - sdpa)[valid].abs().max()) <= TIGHT_TOL
+
+
 @pytest.mark.gpu
 def test_fa3_as_close_as_fa2_on_gpu(monkeypatch) -> None:
     """On an sm90 GPU with vLLM's FlashAttention-3 installed: padded rows at CosyVoice2-0.5B's heads
     (fp16, every query row, keys [0, lens[b])) through FA3 are as close to fp32 SDPA row by row as
-    FlashAttention-2's: max abs error <= 2x FA2's + 1e-3, and FA3 did run."""
+    FlashAttention-2's: max abs error <= 2x FA2's + 1e-3, and FA3 did run; with FA3_SKIP_PADDING the
+    valid rows as close and the padding rows zero."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     if torch.cuda.get_device_capability()[0] != 9 or flash_varlen.fa3_library() is None:
@@ -503,6 +539,14 @@ def test_fa3_as_close_as_fa2_on_gpu(monkeypatch) -> None:
     err = {k: float((v - ref).abs().max()) for k, v in outs.items()}
     assert torch.isfinite(outs["fa3"]).all()
     assert err["fa3"] <= 2 * err["fa2"] + 1e-3, err
+    # FA3_SKIP_PADDING: the valid queries as close, the padding rows zero.
+    for name, value in (("FA3", True), ("_fa3", None), ("FA3_SKIP_PADDING", True)):
+        monkeypatch.setattr(flash_varlen, name, value)
+    skipped = padded_attention(qkv.to("cuda", torch.float16), gpu_rows).float().cpu()
+    assert flash_varlen.kernel() == "fa3"
+    for b, n in enumerate(VARLEN_LENS):
+        assert float((skipped[b, :n] - ref[b, :n]).abs().max()) <= 2 * err["fa2"] + 1e-3, (b, n)
+        assert not skipped[b, n:].any(), (b, n)
 
 
 # -- the Euler steps as a CUDA graph (flow.EULER_STEP_GRAPHS) ----------------------------------------
