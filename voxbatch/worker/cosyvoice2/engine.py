@@ -444,8 +444,7 @@ class CosyVoice2Engine(Engine):
         items: list[_Item] = []
         for request in batch:
             try:
-                voice = self.voices.get(request.voice)
-                items.append(_Item(request, voice, self.llm_request(request, voice)))
+                items.append(self.item(request))
             except (LookupError, ValueError) as e:  # a missing/bad voice or text fails that segment only
                 yield SynthesisResult(request, None, f"{type(e).__name__}: {e}")
         yield from self._run(items)
