@@ -25,6 +25,16 @@ def new_job(store: JobStore, total: int) -> str:
     return job_id
 
 
+def test_done_among_answers_is_done_for_each(store):
+    """A task's done-set in one call: the same answers as `is_done` one by one, in the order asked."""
+    job = new_job(store, 4)
+    store.finish(job, "a", audio_s=1.0)
+    store.finish(job, "c", error="boom")  # failed is not done
+    ids = ["d", "a", "c", "b", "a"]
+    assert store.done_among(job, ids) == [store.is_done(job, s) for s in ids] == [False, True, False, False, True]
+    assert store.done_among(job, []) == []
+
+
 def test_finish_codes_and_counts(store):
     job = new_job(store, 3)
     assert store.state(job) == "queued"

@@ -37,9 +37,10 @@ def make_job(n: int, text: str = "A short sentence to render.") -> JobSpec:
     return JobSpec(id="job1", name="t", voice="tone", chapters=["c"], segments=segments, created_at=0.0, source="-")
 
 
-def run(spec: JobSpec, storage, settings: Settings, engine=None) -> tuple[Pipeline, MemoryJobStore, float]:
-    jobs = MemoryJobStore()
-    jobs.create(spec.id, spec.name, spec.voice, spec.format, len(spec.segments), 0.0)
+def run(spec: JobSpec, storage, settings: Settings, engine=None, jobs: MemoryJobStore | None = None) -> tuple[Pipeline, MemoryJobStore, float]:
+    if jobs is None:
+        jobs = MemoryJobStore()
+        jobs.create(spec.id, spec.name, spec.voice, spec.format, len(spec.segments), 0.0)
     done = threading.Event()
     pipeline = Pipeline(engine or ToneEngine(max_batch=8), storage, jobs, settings, lambda _j: done.set())
     with pipeline:
@@ -95,6 +96,43 @@ def test_redelivered_task_skips_stored_segments_and_records_them(tmp_path):
     _, jobs, _ = run(spec, storage, settings, engine=engine)
     assert calls == [] and jobs.status("job1").done == 5
     assert jobs.status("job1").audio_s > 0
+
+
+class CountingJobs(MemoryJobStore):
+    """A job store that counts the done lookups the worker makes."""
+
+    def __init__(self):
+        super().__init__()
+        self.is_done_calls = self.done_among_calls = 0
+
+    def is_done(self, job_id, seg_id):
+        self.is_done_calls += 1
+        return super().is_done(job_id, seg_id)
+
+    def done_among(self, job_id, seg_ids):
+        self.done_among_calls += 1
+        return super().done_among(job_id, seg_ids)
+
+
+def test_intake_reads_each_tasks_done_set_in_one_call(tmp_path):
+    """At intake the worker asks which of a task's segments are done once per task, not once per
+    segment: a first delivery makes only the store-time check per segment, a redelivery of a finished
+    job none at all, and renders nothing."""
+    spec, settings = make_job(10), Settings(batch_size=5)
+    jobs = CountingJobs()
+    jobs.create(spec.id, spec.name, spec.voice, spec.format, len(spec.segments), 0.0)
+    storage = LocalStorage(tmp_path)
+    run(spec, storage, settings, jobs=jobs)
+    assert (jobs.done_among_calls, jobs.is_done_calls) == (2, 10)  # 2 tasks; the check before each store
+    engine = ToneEngine()
+    rendered = []
+    original = engine.synthesize
+    engine.synthesize = lambda batch: (rendered.append(len(batch)), original(batch))[1]
+    pipeline = Pipeline(engine, storage, jobs, settings, lambda _j: None)
+    with pipeline:
+        for h in [pipeline.submit(t) for t in render_tasks(spec, settings.batch_size)]:
+            assert h.wait(60)
+    assert (jobs.done_among_calls, jobs.is_done_calls, rendered) == (4, 10, [])
 
 
 @pytest.mark.parametrize("attempt", [1, 2, 5, 20])

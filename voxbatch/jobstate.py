@@ -147,6 +147,11 @@ class JobStore(ABC):
     def is_done(self, job_id: str, seg_id: str) -> bool: ...
 
     @abstractmethod
+    def done_among(self, job_id: str, seg_ids: list[str]) -> list[bool]:
+        """`is_done` for each of a task's segments in one call (one round trip): a worker's intake asks
+        it once per task, not once per segment."""
+
+    @abstractmethod
     def mark_reused(self, job_id: str, seg_id: str) -> None:
         """Note that a segment's audio was copied from the cache (before it is recorded done)."""
 
@@ -230,6 +235,11 @@ class RedisJobStore(JobStore):
 
     def is_done(self, job_id: str, seg_id: str) -> bool:
         return bool(self.r.sismember(self._k(job_id, "done"), seg_id))
+
+    def done_among(self, job_id: str, seg_ids: list[str]) -> list[bool]:
+        if not seg_ids:
+            return []
+        return [bool(x) for x in self.r.smismember(self._k(job_id, "done"), seg_ids)]  # Redis >= 6.2
 
     def done_ids(self, job_id: str) -> set[str]:
         return set(self.r.smembers(self._k(job_id, "done")))
@@ -383,6 +393,11 @@ class MemoryJobStore(JobStore):
     def is_done(self, job_id: str, seg_id: str) -> bool:
         with self._lock:
             return seg_id in self._jobs[job_id]["done"]
+
+    def done_among(self, job_id: str, seg_ids: list[str]) -> list[bool]:
+        with self._lock:
+            done = self._jobs[job_id]["done"]
+            return [s in done for s in seg_ids]
 
     def failed(self, job_id: str) -> dict[str, str]:
         with self._lock:

@@ -258,11 +258,17 @@ class Pipeline:
         with self._handles_lock:
             self._handles.add(handle)
         try:
-            state = self._service(lambda: self.jobs.state(task.job_id), f"job {task.job_id}", stop=self._abandoned)
-            # Lazily, in order: each segment goes to the intake as soon as its own lookup is back, not
-            # after the whole task's (a task of 256 held the engine's first rows for all 512 round trips).
-            stored = ([True] * len(task.segments) if state == "cancelled" else
-                      self._lookups.map(lambda seg: self._already_stored(handle, seg), task.segments))
+            where = f"job {task.job_id}"
+            state = self._service(lambda: self.jobs.state(task.job_id), where, stop=self._abandoned)
+            if state == "cancelled":
+                stored = [True] * len(task.segments)
+            else:
+                # Which segments are recorded done: one call for the task. Then lazily, in order: each
+                # other segment goes to the intake as soon as its own storage lookup is back, not after
+                # the whole task's (a task of 256 held the engine's first rows for all its round trips).
+                ids = [seg.id for seg in task.segments]
+                done = self._service(lambda: self.jobs.done_among(task.job_id, ids), where, stop=self._abandoned)
+                stored = self._lookups.map(lambda seg, d: d or self._already_stored(handle, seg), task.segments, done)
             for seg, skip in zip(task.segments, stored):
                 if skip:
                     handle.skipped += 1
@@ -284,14 +290,16 @@ class Pipeline:
         return handle
 
     def _already_stored(self, handle: TaskHandle, seg: TaskSegment) -> bool:
+        """For a segment not recorded done when its task came in: whether it needs no render."""
         job_id, key = handle.task.job_id, _Tag(handle, seg).key
         where = f"segment {job_id}/{seg.id}"
-        if self._service(lambda: self.jobs.is_done(job_id, seg.id), where, stop=self._abandoned):
-            return True
         # The segment's own key before the cache: a redelivery whose first delivery stored it must not
         # copy over it (an object is written once; bench/chaos.py counts writes per key).
         if not self._service(lambda: self.storage.exists(key), where, stop=self._abandoned):
             return handle.task.reuse and self._reuse(handle, seg)
+        # Stored: another delivery may have recorded it since the task's done-set was read.
+        if self._service(lambda: self.jobs.is_done(job_id, seg.id), where, stop=self._abandoned):
+            return True
         # Stored by an earlier delivery that died before recording it: record it now, don't re-render.
         data = self._service(lambda: self.storage.get(key), where, stop=self._abandoned)
         try:
