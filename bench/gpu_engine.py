@@ -71,7 +71,8 @@ from voxbatch.worker.cosyvoice2.sampling import sample_tokens
 from voxbatch.settings import Settings
 from voxbatch.worker.engine import Engine
 
-REPO = Path(__file__).resolve().parents[1]
+from bench.provenance import REPO, commit
+
 SAMPLE_RATE = 24000
 
 
@@ -379,19 +380,6 @@ def median_run(runs: list[dict]) -> dict:
     out = dict(ranked[(len(ranked) - 1) // 2])
     out["repeats"] = [{k: r[k] for k in ("position", "x_realtime", "wall_s", "gpu_busy_pct")} for r in runs]
     return out
-
-
-def commit() -> str:
-    """The commit measured: bench/COMMIT where a copy without git carries it, else git (+ '-dirty')."""
-    stamp = REPO / "bench" / "COMMIT"
-    if stamp.is_file():
-        return stamp.read_text().strip()
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-        return head + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def run_pipeline(engine: Engine, texts: list[str], storage_root: Path, settings: Settings, timeout_s: float = 600.0) -> dict:

@@ -66,6 +66,7 @@ import redis
 from rich.console import Console
 from rich.table import Table
 
+from bench.provenance import commit
 from voxbatch.producer.submit import render_tasks
 from voxbatch import testing_services as services
 from voxbatch import jobstate
@@ -628,7 +629,7 @@ def main() -> None:
     audio_s = sum(tone_duration_s(s.text) for s in make_spec(args.segments).segments)
     report(args.segments, audio_s, results, queued, ceiling, rerender)
     hw["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
-    out = {"benchmark": "orchestration", "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    out = {"benchmark": "orchestration", "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": commit(),
            "segments": args.segments, "audio_s": audio_s,
            "mean_segment_audio_s": round(audio_s / args.segments, 2),
            "mean_segment_text_chars": round(sum(len(s.text) for s in make_spec(args.segments).segments)

@@ -1,0 +1,21 @@
+"""What a result file records about the code it measured: the commit."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def commit() -> str:
+    """The commit measured: bench/COMMIT where a copy without git carries it, else git (+ '-dirty')."""
+    stamp = REPO / "bench" / "COMMIT"
+    if stamp.is_file():
+        return stamp.read_text().strip()
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+        return head + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
