@@ -426,6 +426,21 @@ def test_fa3_declines_without_extension_or_on_cpu(monkeypatch) -> None:
     assert padded_attention(torch.zeros(2, 5, 3, 2, 8, dtype=torch.float16), rows) is None
 
 
+def test_fa3_used_where_fa2_failed(monkeypatch) -> None:
+    """FA3 does not depend on FlashAttention-2: with FA2 known broken here (`_flash` False) and FA3
+    resolved, the padded rows still go to FA3 (opened on CPU fp32 with the SDPA emulation as FA3)."""
+    for name, value in (("_DEVICES", ("cpu",)), ("_DTYPES", (torch.float32,)), ("_flash", False), ("FA3", True),
+                        ("_fa3", _varlen_in_sdpa)):
+        monkeypatch.setattr(flash_varlen, name, value)
+    B, T, H, D = 3, 7, 2, 8
+    qkv = torch.randn(B, T, 3, H, D, generator=torch.Generator().manual_seed(2))
+    rows = PaddedRows.of(torch.tensor([7, 4, 1]), T)
+    out = padded_attention(qkv, rows)
+    flat = qkv.view(B * T, 3, H, D)
+    assert out is not None and flash_varlen.kernel() == "fa3"
+    assert torch.equal(out, _varlen_in_sdpa(flat[:, 0], flat[:, 1], flat[:, 2], rows.cu_seq, T, rows.lens).view(B, T, H, D))
+
+
 # vLLM 0.26.0's `_vllm_fa3_C::fwd` schema, as its op library registers it (the names our call binds to).
 FA3_SCHEMA = (
     "Tensor(a!) q, Tensor k, Tensor v, Tensor? k_new, Tensor? v_new, Tensor? q_v, Tensor(b!)? out, "

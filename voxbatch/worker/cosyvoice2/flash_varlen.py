@@ -196,7 +196,7 @@ def padded_attention(qkv: torch.Tensor, rows: PaddedRows) -> torch.Tensor | None
     """qkv (B, T', 3, H, D) -> (B, T', H, D), row b attending to keys [0, lens[b]); None where flash
     cannot run here (CPU, fp32, a failed call: use SDPA with the mask)."""
     global _flash, _fa3
-    if _flash is False or qkv.device.type not in _DEVICES or qkv.dtype not in _DTYPES:
+    if qkv.device.type not in _DEVICES or qkv.dtype not in _DTYPES:
         return None
     B, T, _, H, D = qkv.shape
     if T != rows.frames:
@@ -209,6 +209,8 @@ def padded_attention(qkv: torch.Tensor, rows: PaddedRows) -> torch.Tensor | None
         except Exception as e:  # noqa: BLE001 - FlashAttention-2 still works
             log.warning("FlashAttention-3 call failed (%s: %s); the flow uses FlashAttention-2", type(e).__name__, e)
             _fa3 = False
+    if _flash is False:  # FlashAttention-2 failed here before (FA3 does not depend on it)
+        return None
     try:
         if _flash is None:
             _flash = _resolve()

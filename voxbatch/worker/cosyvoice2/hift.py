@@ -196,8 +196,9 @@ def _normal_time_major(B: int, T: int, H: int, generator: torch.Generator | None
 # row, each of those ~10 passes over (T_wav, H) was a kernel launch of its own for every row: ~2,000
 # fewer launches per 128-row batch, host time the vocoder threads and the LLM thread share (HiFT's
 # device time barely moved, 533 -> 531 ms; engine 293.3x vs 276.6x row by row,
-# bench/results/gpu_h200_worker9.json). Every op there is elementwise, and the merge over harmonics is a fixed chain of multiply-adds, not a matmul
-# whose kernel would depend on the batch's shape, so a row's source is bit-identical in any batch.
+# bench/results/gpu_h200_worker9.json). Every op there is elementwise, and the merge over harmonics is
+# a fixed chain of multiply-adds, not a matmul whose kernel would depend on the batch's shape, so a
+# row's source is bit-identical in any batch.
 # Read at every call; False keeps the row loop (CPU always: its vectorized sine rounds a row's tail
 # by where the row falls in the batch), the benchmark's A/B (`source=0`).
 BATCHED_SOURCE = True
