@@ -325,6 +325,7 @@ SWITCHES = {
     "varlen": ("voxbatch.worker.cosyvoice2.flow_estimator", "VARLEN_ATTENTION", lambda v: v in ("1", "true")),
     "packed": ("voxbatch.worker.cosyvoice2.llm", "PACKED_PREFILL", lambda v: v in ("1", "true")),
     "merge": ("voxbatch.worker.cosyvoice2.streaming", "TAIL_MERGE", lambda v: v in ("1", "true")),
+    "split": ("voxbatch.worker.cosyvoice2.streaming", "TAIL_SPLIT", lambda v: v in ("1", "true")),
     "gelu": ("voxbatch.worker.cosyvoice2.flow_estimator", "GELU_EPILOGUE", lambda v: v in ("1", "true")),
     "source": ("voxbatch.worker.cosyvoice2.hift", "BATCHED_SOURCE", lambda v: v in ("1", "true")),
     "epilogue": ("voxbatch.worker.cosyvoice2.hift", "FUSED_CONV_EPILOGUE", lambda v: v in ("1", "true")),

@@ -55,6 +55,9 @@ def test_every_stage_runs_on_cpu_and_the_result_has_a_headline(tmp_path, tiny_mo
         tl = run["timeline"]
         assert 0 <= tl["first_admit_s"] <= tl["first_llm_session_s"] <= tl["first_vocode_start_s"] <= tl["first_vocode_end_s"] <= run["wall_s"]
         assert tl["admit_events"] >= 1 and tl["vocode_end_events"] == tl["vocode_start_events"] >= 1
+        # the GIL probe ran through the job, and each vocoder batch's queueing time is part of its wall time
+        assert tl["gil_wait_us_mean"] is not None and tl["gil_wait_us_max"] >= tl["gil_wait_us_p90"] >= 0
+        assert 0 < tl["vocode_host_share_pct"] <= 101
     assert h["x_realtime"] == worker["tasks_of_4"]["x_realtime"] and h["baseline_x_realtime"] > 0
     (engine,) = r["stages"]["engine"]["runs"].values()
     assert engine["stored"] == r["corpus"]["segments"] and engine["failed"] == 0

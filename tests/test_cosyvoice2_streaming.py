@@ -241,6 +241,42 @@ def test_vocoder_tail_batches(monkeypatch, merge):
     assert vocoder.pending == 8 and not vocoder.since
 
 
+@pytest.mark.parametrize("split", [True, False], ids=["tail_split", "whole"])
+def test_last_bucket_is_halved_while_another_thread_renders(monkeypatch, split):
+    """TAIL_SPLIT: with the LLM out of work and one bucket left, a thread takes half of it while another
+    thread is rendering (the rest goes to whichever is free first), halving again down to TAIL_SPLIT_MIN
+    rows; with no other thread rendering, or while the LLM still decodes, the bucket goes whole."""
+    from types import SimpleNamespace
+
+    from voxbatch.worker.cosyvoice2 import streaming
+
+    monkeypatch.setattr(streaming, "TAIL_SPLIT", split)
+    monkeypatch.setattr(streaming, "TAIL_SPLIT_MIN", 4)
+    left = [3]
+    sched = SimpleNamespace(engine=SimpleNamespace(flow_batch=64, max_batch=64), llm_rows=lambda: left[0])
+    vocoder = streaming._Vocoder(sched)
+
+    def fill(n: int) -> None:
+        for _ in range(n):
+            vocoder.put(SimpleNamespace(tokens=[0] * 100))  # one bucket
+
+    fill(20)
+    vocoder.rendering = 1  # the other thread is busy
+    assert len(vocoder._next()[0]) == 20  # the LLM still decodes 3 rows: they may join, so whole
+    assert vocoder.rendering == 2
+    left[0] = 0
+    vocoder.rendering = 1
+    fill(20)
+    sizes = []
+    while vocoder.buckets:
+        sizes.append(len(vocoder._next()[0]))
+        vocoder.rendering = 1
+    assert sizes == ([10, 5, 5] if split else [20])  # 5 < 2 x 4: the last 5 go whole
+    fill(20)
+    vocoder.rendering = 0  # nobody else renders: whole
+    assert len(vocoder._next()[0]) == 20 and not vocoder.buckets and not vocoder.since
+
+
 def test_second_vocoder_thread_leaves_partial_buckets_while_the_llm_has_work(monkeypatch):
     """While the LLM has a flow batch's worth left, a partial bucket a quarter full goes to the first
     thread only; once it has too little left, any thread takes what there is."""

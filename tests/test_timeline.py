@@ -56,3 +56,52 @@ def test_full_collections_are_events_while_on(caplog):
     (pause,) = [n for _, e, n in events if e == "gc2"]
     assert s["gc2_events"] == 2 and s["gc1_events"] >= 1
     assert s["gc_longest_ms"] == max(120, pause) and s["gc_pause_ms"] >= 123 + pause
+
+
+def test_gil_probe_reports_how_late_a_waking_thread_gets_the_gil(caplog, monkeypatch):
+    """While on, a probe thread logs `gil <us>` every window; a thread holding the GIL in pure Python
+    for whole windows makes the probe wake late by about a switch interval, an idle process by far less.
+    Off, the probe ends."""
+    import sys
+    import threading
+    import time
+
+    caplog.set_level(logging.INFO)
+    monkeypatch.setattr(timeline, "GIL_WINDOW_S", 0.05)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.005)
+    timeline.configure(True)
+    try:
+        time.sleep(0.3)  # idle: the probe wakes on time
+        quiet_until = time.time()
+        stop = threading.Event()
+
+        def spin() -> None:  # pure Python: holds the GIL until a switch interval asks it to let go
+            while not stop.is_set():
+                sum(range(1000))
+
+        spinner = threading.Thread(target=spin)
+        spinner.start()
+        time.sleep(0.5)
+        stop.set()
+        spinner.join()
+    finally:
+        timeline.configure(False)
+        sys.setswitchinterval(interval)
+    time.sleep(0.15)
+    assert timeline._probe is not None and not timeline._probe.is_alive()
+    lines = [r.getMessage() for r in caplog.records if r.name == "voxbatch.timeline"]
+    events = timeline.read(lines, 0, 2e9)
+    idle = [n for t, e, n in events if e == "gil" and t < quiet_until]
+    busy = [n for t, e, n in events if e == "gil" and t > quiet_until + 0.1]
+    assert idle and busy, lines
+    # the spinner keeps the GIL for up to a 5 ms interval each time the probe asks for it
+    assert min(idle) < 2000 and sorted(busy)[len(busy) // 2] > 2000, (idle, busy)
+    s = timeline.summary(events)
+    assert s["gil_wait_us_max"] >= s["gil_wait_us_p90"] >= min(idle) and s["gil_wait_us_mean"] > 0
+
+
+def test_vocoder_host_share_sums_queueing_over_wall_time():
+    events = [(0.1, "vocode_host_ms", 30), (0.4, "vocode_ms", 300), (0.5, "vocode_host_ms", 90), (0.6, "vocode_ms", 100)]
+    assert timeline.summary(events)["vocode_host_share_pct"] == 30.0
+    assert timeline.summary([])["vocode_host_share_pct"] is None and timeline.summary([])["gil_wait_us_mean"] is None

@@ -12,6 +12,14 @@ When on, Python's garbage collections that stop every thread long enough to matt
 `gc2 <ms>` for each full collection and `gc1 <ms>` for a generation-1 one of at least GC1_MIN_MS
 (a full collection took 120-130 ms in an earlier worker run; a pause that long leaves the GPU's
 queues to run dry).
+
+Two more say whether the host keeps the GPU fed. `gil <us>`, every GIL_WINDOW_S, is how late a probe
+thread woke from its GIL_PROBE_S sleeps on average (microseconds): waking needs the GIL, so the delay
+is the wait every thread launching GPU work meets at that moment (tens of microseconds when the GIL is
+free, the switch interval times the threads that want it when it is not). `vocode_host_ms <ms>` is how
+long a flow/HiFT batch took to queue all its GPU work (the host's part, GIL waits included) and
+`vocode_ms <ms>` its whole wall time: a batch whose host part is most of its wall time kept its
+stream short of work.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from __future__ import annotations
 import gc
 import logging
 import re
+import threading
 import time
 
 log = logging.getLogger("voxbatch.timeline")
@@ -27,7 +36,10 @@ LINE = re.compile(r"timeline (\w+) (\d+) ([0-9.]+)$")
 EVENTS = ("admit", "llm_session", "llm_refill", "vocode_start", "vocode_end")
 GC_EVENTS = ("gc1", "gc2")  # count = the pause in milliseconds
 GC1_MIN_MS = 2.0
+GIL_PROBE_S = 0.002  # the probe's sleep
+GIL_WINDOW_S = 0.1  # one `gil` event per this long
 _gc_started = 0.0
+_probe: threading.Thread | None = None
 
 
 def _on_gc(phase: str, info: dict) -> None:
@@ -44,12 +56,28 @@ def _on_gc(phase: str, info: dict) -> None:
         event(f"gc{generation}", round(ms))
 
 
+def _gil_probe() -> None:
+    """Sleep GIL_PROBE_S over and over; every GIL_WINDOW_S log the mean oversleep in microseconds.
+    Runs while the timeline is on (a few hundred GIL acquisitions a second, each a few microseconds)."""
+    while log.isEnabledFor(logging.INFO):
+        late, n, window_end = 0.0, 0, time.perf_counter() + GIL_WINDOW_S
+        while (now := time.perf_counter()) < window_end:
+            time.sleep(GIL_PROBE_S)
+            late += time.perf_counter() - now - GIL_PROBE_S
+            n += 1
+        event("gil", round(1e6 * late / max(n, 1)))
+
+
 def configure(enabled: bool) -> None:
+    global _probe
     log.setLevel(logging.INFO if enabled else logging.WARNING)
     if enabled and _on_gc not in gc.callbacks:
         gc.callbacks.append(_on_gc)
     elif not enabled and _on_gc in gc.callbacks:
         gc.callbacks.remove(_on_gc)
+    if enabled and (_probe is None or not _probe.is_alive()):
+        _probe = threading.Thread(target=_gil_probe, name="timeline-gil-probe", daemon=True)
+        _probe.start()
 
 
 def event(name: str, count: int = 0) -> None:
@@ -68,10 +96,19 @@ def read(lines, start: float, end: float) -> list[tuple[float, str, int]]:
 
 
 def summary(events: list[tuple[float, str, int]]) -> dict[str, float | int | None]:
-    """First time of each event kind (seconds since the job's start), how many of each, and the
-    garbage collections' pauses (total and longest, ms)."""
+    """First time of each event kind (seconds since the job's start), how many of each, the garbage
+    collections' pauses (total and longest, ms), the GIL probe's delays (mean, 90th percentile and
+    the worst window, microseconds) and the vocoder batches' host share (their queueing time over
+    their wall time, summed over the job's batches)."""
     first = {name: next((round(t, 3) for t, e, _ in events if e == name), None) for name in EVENTS}
     pauses = [n for _, e, n in events if e in GC_EVENTS]
+    gil = sorted(n for _, e, n in events if e == "gil")
+    host = sum(n for _, e, n in events if e == "vocode_host_ms")
+    wall = sum(n for _, e, n in events if e == "vocode_ms")
     return {**{f"first_{name}_s": t for name, t in first.items()},
             **{f"{name}_events": sum(1 for _, e, _ in events if e == name) for name in EVENTS + GC_EVENTS},
-            "gc_pause_ms": sum(pauses), "gc_longest_ms": max(pauses, default=0)}
+            "gc_pause_ms": sum(pauses), "gc_longest_ms": max(pauses, default=0),
+            "gil_wait_us_mean": round(sum(gil) / len(gil)) if gil else None,
+            "gil_wait_us_p90": gil[int(0.9 * (len(gil) - 1))] if gil else None,
+            "gil_wait_us_max": gil[-1] if gil else None,
+            "vocode_host_share_pct": round(100 * host / wall, 1) if wall else None}

@@ -38,6 +38,7 @@ from voxbatch.models import SynthesisParams
 from voxbatch.reuse import VOICE_TTL_S
 from voxbatch.settings import Settings
 from voxbatch.voice import VoiceProfile
+from voxbatch.worker import timeline
 from voxbatch.worker.cosyvoice2.flow import CausalFlow
 from voxbatch.worker.cosyvoice2.forced_lengths import forced_speech_tokens
 from voxbatch.worker.cosyvoice2.h2d import to_device
@@ -468,9 +469,15 @@ class CosyVoice2Engine(Engine):
 
     def vocode(self, items: list[_Item]) -> Iterator[SynthesisResult]:
         """Finished speech tokens -> audio: one flow batch, per-row speed, one HiFT batch."""
+        started = time.perf_counter()
+
+        def queued() -> None:  # every GPU call of the batch is queued; the host copy waits for them next
+            timeline.event("vocode_host_ms", round(1000 * (time.perf_counter() - started)))
+
         with deterministic_cudnn():
             mels = self.mels([item.tokens or [] for item in items], [item.voice for item in items])
-            audio = self.waves(mels, [item.request.params.speed for item in items], [item.request.seed for item in items])
+            audio = self.waves(mels, [item.request.params.speed for item in items], [item.request.seed for item in items],
+                               queued)
         for item, wav in zip(items, audio):
             yield SynthesisResult(item.request, wav)
 
@@ -487,8 +494,10 @@ class CosyVoice2Engine(Engine):
         with torch.inference_mode():  # lengths as host lists: the flow call waits on nothing queued on the GPU
             return self.flow.inference(tok, tok_lens, prompt_tok, p_lens, prompt_mel, pm_lens, embedding)  # B x (80, T_mel_i) fp32
 
-    def waves(self, mels: list[torch.Tensor], speeds: list[float], seeds: list[int]) -> list[np.ndarray]:
-        """One HiFT batch: B mels -> B waveforms on the host (per-row speed, per-row noise seed)."""
+    def waves(self, mels: list[torch.Tensor], speeds: list[float], seeds: list[int],
+              queued: Callable[[], None] | None = None) -> list[np.ndarray]:
+        """One HiFT batch: B mels -> B waveforms on the host (per-row speed, per-row noise seed);
+        `queued` is called once HiFT's GPU work is queued, before the copy to the host waits for it."""
         hift_dev = self.hift.conv_pre.weight.device
         with torch.inference_mode():
             mels = [time_scale(m, s).to(hift_dev) for m, s in zip(mels, speeds)]
@@ -496,6 +505,9 @@ class CosyVoice2Engine(Engine):
             mel = _pad([m.transpose(0, 1) for m in mels], mel_lens, HIFT_FRAME_QUANTUM).transpose(1, 2)  # (B, 80, T_mel)
             generators = [torch.Generator(device=hift_dev).manual_seed(s) for s in seeds]
             wav, _ = self.hift.inference(mel, mel_lens, generators)  # (B, T_wav); host lengths: no sync until to_host
-            wav = to_host(wav.float())
+            wav = wav.float()
+            if queued is not None:
+                queued()
+            wav = to_host(wav)
         spf = self.hift.d.samples_per_frame
         return [np.ascontiguousarray(wav[i, : n * spf]) for i, n in enumerate(mel_lens)]

@@ -68,6 +68,13 @@ CPU_VOCODER_THREADS = 1
 # 250.7x without, runs in A B B A order, bench/results/gpu_h200_worker7.json); kept as the bench's
 # `merge` switch so that run's command still reproduces it.
 TAIL_MERGE = False
+# When the LLM has finished everything and one bucket is left while another vocoder thread is still
+# rendering, take half of it (at least TAIL_SPLIT_MIN rows a half) and leave the rest to whichever
+# thread is free first, instead of one thread running the whole last batch alone while the other
+# idles: a job ended on one small batch, the GPU at 4-71% for its last ~0.5 s
+# (bench/results/gpu_h200_worker12.json, raw utilisation samples).
+TAIL_SPLIT = False
+TAIL_SPLIT_MIN = 8
 LONGEST_FIRST = True  # refill LLM rows with the longest waiting texts first (shorter tail at the end of the work)
 MAX_WAIT_S = 10.0  # ... unless a request has waited this long: then it goes first, whatever its length
 
@@ -200,6 +207,7 @@ class _Vocoder:
         self.buckets: dict[int, list] = {}
         self.since: dict[int, float] = {}  # bucket -> when its oldest row arrived
         self.pending = 0  # rows handed over and not yet emitted
+        self.rendering = 0  # threads rendering a batch now
         self.cv = threading.Condition()
         self.draining = 0
         self.closing = False
@@ -257,26 +265,34 @@ class _Vocoder:
         A thread that is not the `primary` one leaves partial buckets to it while the LLM has work."""
         with self.cv:
             while True:
-                now = time.perf_counter()
-                full = [k for k, rows in self.buckets.items() if len(rows) >= self.flow_batch]
-                if full:
-                    key = max(full)
-                    rows, started = self.buckets[key], self.since[key]
-                    batch, self.buckets[key] = rows[: self.flow_batch], rows[self.flow_batch :]
-                    if not self.buckets[key]:
-                        del self.buckets[key], self.since[key]
-                    else:
-                        self.since[key] = now
-                    return batch, started
-                if self.buckets:
-                    if TAIL_MERGE and self._llm_nearly_done():
-                        return self._tail()
-                    key = self._partial(now, primary)
-                    if key is not None:
-                        return self.buckets.pop(key), self.since.pop(key)
-                elif self.closing:
+                got = self._choose(time.perf_counter(), primary)
+                if got is not None:
+                    self.rendering += 1
+                    return got
+                if not self.buckets and self.closing:
                     return None
                 self.cv.wait(timeout=0.02 if self.buckets else 0.2)
+
+    def _choose(self, now: float, primary: bool) -> tuple[list, float] | None:
+        """`_next`'s choice among the buckets now (under the lock), or None to wait."""
+        full = [k for k, rows in self.buckets.items() if len(rows) >= self.flow_batch]
+        if full:
+            key = max(full)
+            rows, started = self.buckets[key], self.since[key]
+            batch, self.buckets[key] = rows[: self.flow_batch], rows[self.flow_batch :]
+            if not self.buckets[key]:
+                del self.buckets[key], self.since[key]
+            else:
+                self.since[key] = now
+            return batch, started
+        if not self.buckets:
+            return None
+        if TAIL_MERGE and self._llm_nearly_done():
+            return self._tail()
+        key = self._partial(now, primary)
+        if key is None:
+            return None
+        return self._half_of_last(key) or (self.buckets.pop(key), self.since.pop(key))
 
     def _partial(self, now: float, primary: bool = True) -> int | None:
         """The bucket to run before it is full (the vocoder is idle here), or None to wait: the longest
@@ -293,6 +309,18 @@ class _Vocoder:
             if len(self.buckets[fullest]) >= max(1, self.flow_batch // IDLE_BATCH_DIV):
                 return fullest
         return None
+
+    def _half_of_last(self, key: int) -> tuple[list, float] | None:
+        """TAIL_SPLIT: half of the last bucket (`key`), when the LLM has nothing left and another thread
+        is rendering; None to take the bucket whole."""
+        rows = self.buckets[key]
+        if not TAIL_SPLIT or len(self.buckets) > 1 or not self.rendering or len(rows) < 2 * TAIL_SPLIT_MIN:
+            return None
+        if self.s.llm_rows():
+            return None
+        n = (len(rows) + 1) // 2
+        self.buckets[key] = rows[n:]
+        return rows[:n], self.since[key]
 
     def _llm_nearly_done(self) -> bool:
         """Too little left in the LLM and the intake to fill a flow bucket (or a drain/close asks)."""
@@ -329,11 +357,13 @@ class _Vocoder:
                 finally:
                     with self.cv:
                         self.pending -= len(batch)
+                        self.rendering -= 1
                         self.cv.notify_all()
 
     def _render(self, batch: list, started: float) -> None:
         s = self.s
         timeline.event("vocode_start", len(batch))
+        began = time.perf_counter()
         try:
             results = list(s.engine.vocode(batch))
         except Exception as e:  # noqa: BLE001 - retried row by row: one bad segment fails alone
@@ -345,6 +375,7 @@ class _Vocoder:
                     results += list(s.engine.vocode([item]))
                 except Exception as e1:  # noqa: BLE001
                     results.append(SynthesisResult(item.request, None, f"{type(e1).__name__}: {e1}"))
+        timeline.event("vocode_ms", round(1000 * (time.perf_counter() - began)))  # rendered, before the emits
         audio_s = 0.0
         for r in results:
             if r.audio is not None:
