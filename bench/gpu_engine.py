@@ -333,6 +333,7 @@ SWITCHES = {
     "fa3_splits": ("voxbatch.worker.cosyvoice2.flash_varlen", "FA3_SPLITS", int),
     "fa3_q": ("voxbatch.worker.cosyvoice2.flash_varlen", "FA3_SKIP_PADDING", lambda v: v in ("1", "true")),
     "graphs": ("voxbatch.worker.cosyvoice2.flow", "EULER_STEP_GRAPHS", lambda v: v in ("1", "true")),
+    "cf": ("voxbatch.worker.cosyvoice2.flow", "EULER_CAPTURE_FIRST", lambda v: v in ("1", "true")),
 }
 
 

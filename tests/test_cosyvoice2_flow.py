@@ -15,6 +15,7 @@ code on CPU, fp32, 1 thread). Tolerances (max abs difference):
 from __future__ import annotations
 
 import copy
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -582,10 +583,12 @@ def test_euler_schedule_is_the_official_arithmetic() -> None:
             dt = t_span[k + 2] - t
 
 
-def test_euler_replay_plumbing_on_cpu(flow: CausalFlow, monkeypatch) -> None:
+@pytest.mark.parametrize("warm", [False, True], ids=["first_batch_of_a_thread", "capture_first"])
+def test_euler_replay_plumbing_on_cpu(flow: CausalFlow, monkeypatch, warm: bool) -> None:
     """The ODE loop's graph path on CPU, with a stand-in graph that runs the captured step eagerly on
     the inputs `_StepGraph` copies each step's t and dt into: the mel equals the eager loop's exactly,
-    and steps 2..N went through the replay (what a real graph replays: GPU test below)."""
+    and steps 2..N went through the replay on a thread's first batch, every step once the thread is
+    warm (EULER_CAPTURE_FIRST; what a real graph replays: GPU test below)."""
     inputs = _estimator_inputs([40, 33, 7])
     _, mask, mu, _, spks, cond = inputs
     cfm = flow.decoder
@@ -599,7 +602,7 @@ def test_euler_replay_plumbing_on_cpu(flow: CausalFlow, monkeypatch) -> None:
             replays.append(1)
             self.step()
 
-    def capture(cfm_, x, t, dt, branches, streaming):
+    def capture(cfm_, x, t, dt, branches, streaming, first=False):
         t_in, dt_in = t.clone(), dt.clone()
         return flow_module._StepGraph(EagerGraph(lambda: cfm_._step(x, t_in, dt_in, branches, streaming)), t_in, dt_in)
 
@@ -607,8 +610,11 @@ def test_euler_replay_plumbing_on_cpu(flow: CausalFlow, monkeypatch) -> None:
         eager = cfm(mu, mask, spks, cond)
         monkeypatch.setattr(flow_module, "_capturable", lambda x: True)
         monkeypatch.setattr(flow_module._StepGraph, "capture", staticmethod(capture))
+        monkeypatch.setattr(flow_module._StepGraph, "warm", staticmethod(lambda device: warm))
+        monkeypatch.setattr(flow_module, "EULER_CAPTURE_FIRST", True)
+        monkeypatch.setattr(flow_module, "_capture_first_failed", False)
         replayed = cfm(mu, mask, spks, cond)
-    assert len(replays) == flow_module.N_TIMESTEPS - 1
+    assert len(replays) == flow_module.N_TIMESTEPS - (0 if warm else 1)
     assert torch.equal(replayed, eager)
 
 
@@ -627,28 +633,71 @@ def _full_cfm_on_gpu(model_dir: Path) -> tuple[ConditionalFlowMatching, tuple[to
 
 
 @pytest.mark.gpu
-def test_euler_step_graphs_equal_eager_on_gpu(model_dir: Path, monkeypatch) -> None:
+@pytest.mark.parametrize("capture_first", [False, True])
+def test_euler_step_graphs_equal_eager_on_gpu(model_dir: Path, monkeypatch, capture_first: bool) -> None:
     """On a vocoder thread's own stream, the ODE with steps 2..10 replayed from a CUDA graph gives the
     eager ODE's mel on every valid frame (max abs <= 1e-4 of the mel's scale: the same kernels on the
     same inputs; a replay that read stale inputs would miss by the size of a step), twice in a row
-    (the second batch reuses the first's memory pool), and the graph did replay."""
+    (the second batch reuses the first's memory pool), and the graph did replay: from step 2 on a
+    fresh thread's first batch, from step 1 on (captured before any eager step) once it is warm."""
     cfm, inputs, valid = _full_cfm_on_gpu(model_dir)
     replays = []
     real_replay = flow_module._StepGraph.replay
     monkeypatch.setattr(flow_module._StepGraph, "replay", lambda self, t, dt: (replays.append(1), real_replay(self, t, dt)))
     monkeypatch.setattr(flow_module, "_graphs_failed", False)
+    monkeypatch.setattr(flow_module, "_capture_first_failed", False)
+    monkeypatch.setattr(flow_module, "EULER_CAPTURE_FIRST", capture_first)
+    monkeypatch.setattr(flow_module, "_per_thread", threading.local())  # this thread starts cold
     with torch.inference_mode(), torch.cuda.stream(torch.cuda.Stream()):
         monkeypatch.setattr(flow_module, "EULER_STEP_GRAPHS", False)
         eager = cfm(*inputs)
         monkeypatch.setattr(flow_module, "EULER_STEP_GRAPHS", True)
         graphed = [cfm(*inputs), cfm(*inputs)]
         torch.cuda.synchronize()
-    assert not flow_module._graphs_failed and len(replays) == 2 * (flow_module.N_TIMESTEPS - 1)
+    n = flow_module.N_TIMESTEPS
+    assert not flow_module._graphs_failed and not flow_module._capture_first_failed
+    assert len(replays) == (n - 1) + (n if capture_first else n - 1)
     scale = float(eager[valid].abs().max())
     for out in graphed:
         assert torch.isfinite(out).all()
         diff = float((out - eager)[valid].abs().max())
         assert diff <= 1e-4 * scale, (diff, scale)
+
+
+@pytest.mark.gpu
+def test_failed_capture_first_brings_back_the_eager_first_step_on_gpu(model_dir: Path, monkeypatch) -> None:
+    """A capture before any eager step that fails turns only capture-first off: that batch runs its
+    first step eagerly, captures after it (graphs stay on) and gives the eager mel."""
+    cfm, inputs, valid = _full_cfm_on_gpu(model_dir)
+    monkeypatch.setattr(flow_module, "_graphs_failed", False)
+    monkeypatch.setattr(flow_module, "_capture_first_failed", False)
+    monkeypatch.setattr(flow_module, "EULER_CAPTURE_FIRST", True)
+    monkeypatch.setattr(flow_module, "_per_thread", threading.local())
+    replays = []
+    real_replay = flow_module._StepGraph.replay
+    monkeypatch.setattr(flow_module._StepGraph, "replay", lambda self, t, dt: (replays.append(1), real_replay(self, t, dt)))
+    with torch.inference_mode(), torch.cuda.stream(torch.cuda.Stream()):
+        monkeypatch.setattr(flow_module, "EULER_STEP_GRAPHS", False)
+        eager = cfm(*inputs)
+        monkeypatch.setattr(flow_module, "EULER_STEP_GRAPHS", True)
+        cfm(*inputs)  # warms this thread
+        real_begin = torch.cuda.CUDAGraph.capture_begin
+        failures = [1]
+
+        def once_broken(self, *args, **kwargs):
+            if failures:
+                failures.pop()
+                raise RuntimeError("no capture here")
+            return real_begin(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin", once_broken)
+        replays.clear()
+        out = cfm(*inputs)
+        torch.cuda.synchronize()
+    assert flow_module._capture_first_failed and not flow_module._graphs_failed
+    assert len(replays) == flow_module.N_TIMESTEPS - 1
+    scale = float(eager[valid].abs().max())
+    assert float((out - eager)[valid].abs().max()) <= 1e-4 * scale
 
 
 @pytest.mark.gpu

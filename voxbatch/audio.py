@@ -16,6 +16,7 @@ consistent, but m4a segments end up to 43 ms longer at 24 kHz.
 
 from __future__ import annotations
 
+import functools
 import io
 import shutil
 import subprocess
@@ -79,12 +80,20 @@ def content_type(fmt: str) -> str:
         raise AudioFormatError(f"no content type for format {fmt!r}") from None
 
 
+@functools.cache
+def _writable(sf_format: str, subtype: str) -> bool:
+    """Whether this libsndfile writes `subtype` in `sf_format`: asked once per pair, not per object (the
+    upload threads encode every segment; the lookup is pure Python loops over libsndfile's tables,
+    GIL time the engine's launching threads wait for)."""
+    return subtype in sf.available_subtypes(sf_format)
+
+
 def container(fmt: str, sample_rate: int) -> Container:
     """The container for `fmt`, after checking this libsndfile can write it at this rate."""
     if fmt not in CONTAINERS:
         raise AudioFormatError(f"unknown audio format {fmt!r}; expected one of {sorted(CONTAINERS) + sorted(ENCODED_TYPES)}")
     c = CONTAINERS[fmt]
-    if c.subtype not in sf.available_subtypes(c.sf_format):
+    if not _writable(c.sf_format, c.subtype):
         raise AudioFormatError(
             f"audio format {fmt!r} ({c.sf_format}/{c.subtype}) is not supported by the installed "
             f"libsndfile {sf.__libsndfile_version__}; use wav, flac or ogg, or install libsndfile >= 1.0.29 "
@@ -107,7 +116,7 @@ def _ffmpeg() -> str:
 
 def supported_formats() -> list[str]:
     """Formats this machine can write (opus depends on how libsndfile was built, m4a on ffmpeg)."""
-    formats = [f for f, c in CONTAINERS.items() if c.subtype in sf.available_subtypes(c.sf_format)]
+    formats = [f for f, c in CONTAINERS.items() if _writable(c.sf_format, c.subtype)]
     return formats + ["mp3"] + (["m4a"] if shutil.which("ffmpeg") else [])
 
 

@@ -36,7 +36,7 @@ LINE = re.compile(r"timeline (\w+) (\d+) ([0-9.]+)$")
 EVENTS = ("admit", "llm_session", "llm_refill", "vocode_start", "vocode_end")
 GC_EVENTS = ("gc1", "gc2")  # count = the pause in milliseconds
 GC1_MIN_MS = 2.0
-GIL_PROBE_S = 0.002  # the probe's sleep
+GIL_PROBE_S = 0.005  # the probe's sleep (200 wake-ups a second)
 GIL_WINDOW_S = 0.1  # one `gil` event per this long
 _gc_started = 0.0
 _probe: threading.Thread | None = None

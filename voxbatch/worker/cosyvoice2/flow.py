@@ -55,6 +55,15 @@ log = logging.getLogger(__name__)
 # than the run-to-run spread.
 EULER_STEP_GRAPHS = True  # bench switch `graphs`
 _graphs_failed = False
+# Once a vocoder thread has run a batch (its cuBLAS/cuDNN handles and workspaces exist), later batches
+# capture the step before running any of it and replay it for all ten steps: the eager first step's
+# ~1,250 op calls go too. Each op call from Python lets go of the GIL and takes it back; with other
+# threads holding it (uploads, intake, the other vocoder thread) taking it back costs up to the switch
+# interval, and the GIL probe saw 0.5-0.9 ms per wake-up while a 23-row last batch took 0.89 s of host
+# time with the GPU at 2-3% (bench/results/gpu_h200_worker13.json, _worker.log). A failed capture of
+# this kind is logged once and turns only this off (the eager first step comes back). Bench switch `cf`.
+EULER_CAPTURE_FIRST = True
+_capture_first_failed = False
 _per_thread = threading.local()  # capture stream and memory pool per (thread, device); the last graph
 
 # Fixed by the official code, not the yaml.
@@ -155,6 +164,8 @@ class ConditionalFlowMatching(nn.Module):
         x = x.clone()  # the ODE state, updated in place: (B, 80, T) fp32
         branches = (mask_in, mu_in, spks_in, cond_in)
         graph = None
+        if EULER_CAPTURE_FIRST and not _capture_first_failed and n_steps > 1 and _capturable(x) and _StepGraph.warm(x.device):
+            graph = _StepGraph.capture(self, x, times[0], steps[0], branches, streaming, first=True)
         for k in range(n_steps):
             if graph is not None:
                 graph.replay(times[k], steps[k])
@@ -185,13 +196,19 @@ class _StepGraph:
     def __init__(self, graph: torch.cuda.CUDAGraph, t: torch.Tensor, dt: torch.Tensor):
         self.graph, self.t, self.dt = graph, t, dt
 
+    @staticmethod
+    def warm(device: torch.device) -> bool:
+        """Whether this thread has captured a step on `device` before (it ran a batch eagerly first)."""
+        return getattr(_per_thread, str(device), None) is not None
+
     @classmethod
     def capture(cls, cfm: ConditionalFlowMatching, x: torch.Tensor, t: torch.Tensor, dt: torch.Tensor,
-                branches: tuple, streaming: bool) -> _StepGraph | None:
+                branches: tuple, streaming: bool, first: bool = False) -> _StepGraph | None:
         """Captured on this thread's side stream (a capture may not run on the legacy default stream),
         in thread-local mode (the other threads' CUDA calls go on), into this thread's pool; None,
-        with the failure logged once and graphs off from then on, where it cannot be captured."""
-        global _graphs_failed
+        with the failure logged once and graphs off from then on, where it cannot be captured (only
+        capturing `first`, before any eager step, off where that was the capture that failed)."""
+        global _graphs_failed, _capture_first_failed
         dev = x.device
         slot = getattr(_per_thread, str(dev), None)
         if slot is None:
@@ -209,6 +226,11 @@ class _StepGraph:
                 finally:
                     graph.capture_end()
         except Exception as e:  # noqa: BLE001 - the eager steps still work
+            if first:
+                log.warning("flow step CUDA graph before an eager step failed (%s: %s); each batch's first step "
+                            "runs eagerly again", type(e).__name__, e)
+                _capture_first_failed = True
+                return None
             log.warning("flow step CUDA graph unavailable (%s: %s); the flow runs eagerly", type(e).__name__, e)
             _graphs_failed = True
             return None
