@@ -59,13 +59,16 @@ FA3 = True  # use vLLM's FlashAttention-3 where it is installed and the GPU is s
 # FA3's key splits (num_splits), 0: its own heuristic, what every H200 result measured. The heuristic splits
 # the flow's keys and runs a combine kernel after every call (65 ms of a 128-row batch's 1.70 s,
 # gpu_h200_worker12b_profile.txt) although 2B rows x 8 heads of query blocks fill the GPU unsplit;
-# `fa3_splits=1` (bench switch) is the A/B to run, not yet measured.
+# `fa3_splits=1` (bench switch) measured within the run-to-run spread: engine 304.8x (304.8, 319.0) vs
+# 299.4x (299.4, 314.2) with the heuristic, runs in A..A order (bench/results/gpu_h200_worker13.json):
+# not kept, for want of a difference larger than the noise.
 FA3_SPLITS = 0
 # Skip the padding frames' queries (`seqused_q`; their output rows stay zero in a zeroed `out`): up to
 # ~1/3 less attention at half-octave buckets, ~15% on the bench corpus' batches. What the padding frames
 # get is never read by a valid frame (the tests hold the estimator to that with zeroed padding rows):
-# keys past lens[b] are never attended to and every conv input is masked. Bench switch `fa3_q`, off:
-# not yet measured.
+# keys past lens[b] are never attended to and every conv input is masked. Bench switch `fa3_q`, off: engine
+# 303.5x (303.5, 307.3) vs 299.4x (299.4, 314.2) without (bench/results/gpu_h200_worker13.json), no
+# difference beyond the noise; its GPU test passed on the H200 (gpu_h200_worker13_gpu_tests.txt).
 FA3_SKIP_PADDING = False
 _fa3: FlashCall | None | bool = None  # the resolved FA3 call; False where it cannot run here
 _fa3_lock = threading.Lock()  # two vocoder threads may meet the first call together

@@ -61,8 +61,10 @@ _graphs_failed = False
 # threads holding it (uploads, intake, the other vocoder thread) taking it back costs up to the switch
 # interval, and the GIL probe saw 0.5-0.9 ms per wake-up while a 23-row last batch took 0.89 s of host
 # time with the GPU at 2-3% (bench/results/gpu_h200_worker13.json, _worker.log). A failed capture of
-# this kind is logged once and turns only this off (the eager first step comes back). Bench switch `cf`.
-EULER_CAPTURE_FIRST = True
+# this kind is logged once and turns only this off (the eager first step comes back). Off: it measured
+# no faster, engine 303.2x (303.2, 318.6) with vs 320.3x (320.7, 320.3) without, runs in A B B A order
+# (bench/results/gpu_h200_worker14.json); its GPU tests pass. Bench switch `cf`.
+EULER_CAPTURE_FIRST = False
 _capture_first_failed = False
 _per_thread = threading.local()  # capture stream and memory pool per (thread, device); the last graph
 

@@ -72,7 +72,8 @@ TAIL_MERGE = False
 # rendering, take half of it (at least TAIL_SPLIT_MIN rows a half) and leave the rest to whichever
 # thread is free first, instead of one thread running the whole last batch alone while the other
 # idles: a job ended on one small batch, the GPU at 4-71% for its last ~0.5 s
-# (bench/results/gpu_h200_worker12.json, raw utilisation samples).
+# (bench/results/gpu_h200_worker12.json, raw utilisation samples). Off: no faster, engine 299.2x (313.9,
+# 299.2) with vs 299.4x (299.4, 314.2) without (bench/results/gpu_h200_worker13.json). Bench switch `split`.
 TAIL_SPLIT = False
 TAIL_SPLIT_MIN = 8
 LONGEST_FIRST = True  # refill LLM rows with the longest waiting texts first (shorter tail at the end of the work)
