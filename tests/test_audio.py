@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
+from voxbatch import audio as audio_module
 from voxbatch.audio import clip, encode
 
 
@@ -18,7 +19,7 @@ def _libsndfile_wav(audio: np.ndarray, sample_rate: int) -> bytes:
 
 
 @pytest.mark.parametrize("channels", [1, 2])
-def test_wav_is_byte_for_byte_libsndfiles(channels: int) -> None:
+def test_wav_is_byte_for_byte_libsndfiles(channels: int, monkeypatch) -> None:
     """Header and samples equal libsndfile's PCM_16 WAV for random audio, full scale, values past full
     scale (clipped), values on and beside every rounding boundary, silence and an odd length."""
     rng = np.random.default_rng(0)
@@ -31,6 +32,8 @@ def test_wav_is_byte_for_byte_libsndfiles(channels: int) -> None:
         audio = audio[: n - 1].reshape(-1, 2)
     for sample_rate in (24000, 44100):
         assert encode(audio, sample_rate, "wav") == _libsndfile_wav(audio, sample_rate)
+    monkeypatch.setattr(audio_module, "WAV_BY_LIBSNDFILE", True)  # the bench's A/B switch: the same bytes
+    assert encode(audio, 24000, "wav") == _libsndfile_wav(audio, 24000)
     assert encode(np.zeros(0, np.float32), 24000, "wav") == _libsndfile_wav(np.zeros(0, np.float32), 24000)
 
 

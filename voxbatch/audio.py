@@ -55,6 +55,8 @@ AAC_KBPS = 64  # AAC-LC mono spoken word, as audiobook stores ship it
 # The only rates the Opus encoder accepts (libsndfile passes them through to libopus).
 OPUS_SAMPLE_RATES = (8000, 12000, 16000, 24000, 48000)
 
+# WAV through libsndfile instead of `_wav_pcm16` (the same bytes): the GPU bench's switch `sfwav`.
+WAV_BY_LIBSNDFILE = False
 # Non-audio objects the assembler writes.
 CONTENT_TYPES: dict[str, str] = {
     **{fmt: c.content_type for fmt, c in CONTAINERS.items()},
@@ -142,7 +144,7 @@ def encode(audio: np.ndarray, sample_rate: int, fmt: AudioFormat) -> bytes:
         with open_writer(buf, sample_rate, _channels(audio), fmt) as w:
             w.write(clip(audio))
         return buf.getvalue()
-    if fmt == "wav":
+    if fmt == "wav" and not WAV_BY_LIBSNDFILE:
         return _wav_pcm16(audio, sample_rate)
     c = container(fmt, sample_rate)
     buf = io.BytesIO()
