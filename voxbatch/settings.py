@@ -110,8 +110,10 @@ class Settings(BaseSettings):
     # 249.5x at 5 ms in one H200 run, bench/results/gpu_h200_worker4.json).
     gil_switch_interval_ms: float = Field(1.0, gt=0, le=100)
     # Log when the engine admits segments, starts or refills an LLM decode session and runs each
-    # flow/HiFT batch (logger `voxbatch.timeline`, a few lines per batch; voxbatch/worker/timeline.py).
-    # For finding where a job's GPU time goes; the GPU benchmark's worker stage turns it on.
+    # flow/HiFT batch with its host time (logger `voxbatch.timeline`, a few lines per batch;
+    # voxbatch/worker/timeline.py), and start a GIL probe that logs how late a waking thread gets
+    # the GIL (10 lines a second). For finding where a job's GPU time goes; the GPU benchmark's
+    # worker stage turns it on.
     timeline_log: bool = False
 
     # Failure handling: a segment is retried this many times in all before it is recorded failed.
