@@ -35,6 +35,20 @@ def test_done_among_answers_is_done_for_each(store):
     assert store.done_among(job, []) == []
 
 
+def test_state_and_done_in_one_call(store):
+    """The upload thread's check: the job's state and whether the segment is done, as `state` and
+    `is_done` answer them; an unknown job has no state and nothing done."""
+    job = new_job(store, 3)
+    store.finish(job, "a", audio_s=1.0)
+    store.finish(job, "b", error="boom")
+    for seg in ("a", "b", "c"):
+        assert store.state_and_done(job, seg) == (store.state(job), store.is_done(job, seg))
+    assert store.state_and_done(job, "a") == ("running", True)
+    store.cancel(job)
+    assert store.state_and_done(job, "c") == ("cancelled", False)
+    assert store.state_and_done("no-such-job", "a") == (None, False)
+
+
 def test_finish_codes_and_counts(store):
     job = new_job(store, 3)
     assert store.state(job) == "queued"

@@ -109,6 +109,10 @@ class CountingJobs(MemoryJobStore):
         self.is_done_calls += 1
         return super().is_done(job_id, seg_id)
 
+    def state_and_done(self, job_id, seg_id):
+        self.is_done_calls += 1
+        return super().state_and_done(job_id, seg_id)
+
     def done_among(self, job_id, seg_ids):
         self.done_among_calls += 1
         return super().done_among(job_id, seg_ids)
@@ -116,8 +120,8 @@ class CountingJobs(MemoryJobStore):
 
 def test_intake_reads_each_tasks_done_set_in_one_call(tmp_path):
     """At intake the worker asks which of a task's segments are done once per task, not once per
-    segment: a first delivery makes only the store-time check per segment, a redelivery of a finished
-    job none at all, and renders nothing."""
+    segment: a first delivery makes only the store-time check per segment (state and done in one
+    call), a redelivery of a finished job none at all, and renders nothing."""
     spec, settings = make_job(10), Settings(batch_size=5)
     jobs = CountingJobs()
     jobs.create(spec.id, spec.name, spec.voice, spec.format, len(spec.segments), 0.0)
@@ -187,7 +191,11 @@ def test_storage_outage_longer_than_the_window_fails_with_the_outage_as_reason(t
     settings = Settings(batch_size=3, outage_window_s=0.5, max_attempts=3)
     jobs = MemoryJobStore()
     jobs.create(spec.id, spec.name, spec.voice, spec.format, 3, 0.0)
-    with Pipeline(ToneEngine(), storage, jobs, settings, lambda _j: None) as pipeline:
+    engine = ToneEngine()
+    original = engine.synthesize
+    # The engine renders only once storage is down (else a fast upload could land before it goes).
+    engine.synthesize = lambda batch: (storage.down.wait(30), original(batch))[1]
+    with Pipeline(engine, storage, jobs, settings, lambda _j: None) as pipeline:
         handle = pipeline.submit(next(render_tasks(spec, 3)))  # the stored-check passes, then storage goes
         storage.down.set()
         assert handle.wait(30)

@@ -152,6 +152,11 @@ class JobStore(ABC):
         it once per task, not once per segment."""
 
     @abstractmethod
+    def state_and_done(self, job_id: str, seg_id: str) -> tuple[JobState | None, bool]:
+        """`state` and `is_done` in one call (one round trip): the check an upload thread makes before
+        it stores each segment (a cancelled job, or another delivery that stored it meanwhile)."""
+
+    @abstractmethod
     def mark_reused(self, job_id: str, seg_id: str) -> None:
         """Note that a segment's audio was copied from the cache (before it is recorded done)."""
 
@@ -240,6 +245,13 @@ class RedisJobStore(JobStore):
         if not seg_ids:
             return []
         return [bool(x) for x in self.r.smismember(self._k(job_id, "done"), seg_ids)]  # Redis >= 6.2
+
+    def state_and_done(self, job_id: str, seg_id: str) -> tuple[JobState | None, bool]:
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hget(self._k(job_id), "state")
+        pipe.sismember(self._k(job_id, "done"), seg_id)
+        state, done = pipe.execute()
+        return state, bool(done)
 
     def done_ids(self, job_id: str) -> set[str]:
         return set(self.r.smembers(self._k(job_id, "done")))
@@ -398,6 +410,11 @@ class MemoryJobStore(JobStore):
         with self._lock:
             done = self._jobs[job_id]["done"]
             return [s in done for s in seg_ids]
+
+    def state_and_done(self, job_id: str, seg_id: str) -> tuple[JobState | None, bool]:
+        with self._lock:
+            j = self._jobs.get(job_id)
+            return (j["state"], seg_id in j["done"]) if j else (None, False)
 
     def failed(self, job_id: str) -> dict[str, str]:
         with self._lock:

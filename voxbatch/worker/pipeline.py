@@ -415,10 +415,11 @@ class Pipeline:
     def _store(self, tag: _Tag, result: SynthesisResult) -> None:
         task, seg = tag.handle.task, tag.segment
         where = f"segment {task.job_id}/{seg.id}"
-        if self._service(lambda: self.jobs.state(task.job_id), where) == "cancelled":
+        state, done = self._service(lambda: self.jobs.state_and_done(task.job_id, seg.id), where)
+        if state == "cancelled":
             tag.handle.segment_finished()  # rendered before the cancel reached us: keep storage as Redis says
             return
-        if self._service(lambda: self.jobs.is_done(task.job_id, seg.id), where):
+        if done:
             tag.handle.segment_finished()  # another delivery of its task stored it meanwhile: write it once
             return
         t0 = time.perf_counter()
