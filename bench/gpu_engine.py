@@ -305,6 +305,44 @@ def busy_pct(summary: dict | None) -> float | None:
     return summary[sorted(summary)[0]]["mean_pct"]
 
 
+class JobStartSpy:
+    """py-spy sampling the worker process, GIL holders only, over a job's first seconds (`--pyspy-job-start`):
+    who holds the GIL while the worker takes a job in and its GPU idles (the timeline's GIL probe says
+    when, this says who). Started before the job is submitted; a py-spy that cannot attach leaves the
+    job measured as without it and its error in the result."""
+
+    LEAD_S = 0.5  # py-spy attaches in well under this; the job is submitted after it
+
+    def __init__(self, proc: subprocess.Popen, raw: Path, log: Path):
+        self.proc, self.raw, self.log = proc, raw, log
+
+    @classmethod
+    def start(cls, pyspy: str, pid: int, seconds: float) -> JobStartSpy:
+        tmp = Path(tempfile.mkdtemp(prefix="pyspy-"))
+        raw, log = tmp / "raw.txt", tmp / "log.txt"
+        cmd = [pyspy, "record", "--pid", str(pid), "--subprocesses", "--threads", "--gil", "--nonblocking",
+               "--rate", "200", "--duration", str(math.ceil(seconds + cls.LEAD_S)), "--format", "raw", "-o", str(raw)]
+        proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
+        time.sleep(cls.LEAD_S)
+        return cls(proc, raw, log)
+
+    def finish(self, out: Path, title: str) -> dict:
+        """Wait for py-spy, write the summary to `out`; {'file': name, 'samples': n} or {'error': ...}."""
+        from bench.pyspy_summary import summarise
+
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return {"error": "py-spy did not finish"}
+        lines = self.raw.read_text(errors="replace").splitlines() if self.raw.exists() else []
+        if not lines:
+            return {"error": f"py-spy exited {self.proc.returncode}: {self.log.read_text(errors='replace')[-500:]}"}
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(f"# {title}\n\n{summarise(lines)}\n", encoding="utf-8")
+        return {"file": out.name, "samples": sum(int(ln.rsplit(" ", 1)[1]) for ln in lines if ln.rsplit(" ", 1)[-1].isdigit())}
+
+
 # Short names in --engine-runs / --worker-run specs -> Settings fields.
 RUN_KEYS = {"rows": "engine_max_batch", "flow": "engine_flow_batch", "task": "batch_size", "dtype": "llm_dtype",
             "inflight": "worker_inflight_segments", "upload": "upload_threads",
@@ -900,11 +938,16 @@ class Bench:
             print(f"  warm job done after {time.perf_counter() - t:.1f}s ({warm_job['x_realtime']}x realtime: the "
                   "worker's first job, one-time costs included)", flush=True)
             for size in a.worker_task_sizes:
+                spy = JobStartSpy.start(a.pyspy_job_start, harness.worker.pid, a.pyspy_seconds) if a.pyspy_job_start else None
                 with GpuUtilisation() as util:
                     t0 = time.time()
                     job = harness.submit(corpus, "bench", size, self.official_dir())
                     res = harness.wait(job, a.worker_timeout_s)
                     t1 = time.time()
+                if spy is not None:
+                    res["pyspy_job_start"] = spy.finish(a.out / f"{a.name}_pyspy_job_start_tasks_of_{size}.txt",
+                                                        f"py-spy --gil of the worker over the first {a.pyspy_seconds} s of "
+                                                        f"the tasks-of-{size} job ({a.name})")
                 wall = res["finished_at"] - res["created_at"]
                 busy = util.summary(window=(res["created_at"], res["finished_at"]), raw=True)
                 res.update(task_size=size, wall_s=round(wall, 3), x_realtime=round(res["audio_s"] / wall, 1),
@@ -1256,6 +1299,9 @@ def main() -> None:
     ap.add_argument("--worker-task-sizes", type=int, nargs="+", default=[16, 64],
                     help="worker stage: one job per task size (the producer's batch_size); the first is the figure")
     ap.add_argument("--worker-timeout-s", type=float, default=300.0)
+    ap.add_argument("--pyspy-job-start", default=None, metavar="PY_SPY",
+                    help="worker stage: sample the worker with this py-spy binary (GIL holders) over each measured job's start")
+    ap.add_argument("--pyspy-seconds", type=float, default=1.5, help="how much of each job's start --pyspy-job-start samples")
     ap.add_argument("--worker-warm-segments", type=int, default=32,
                     help="worker stage: segments of the warm job before the measured ones (first flow shapes, allocator)")
     ap.add_argument("--redis-server", default=None, help="redis-server binary for the worker stage (default: PATH)")

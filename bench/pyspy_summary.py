@@ -22,7 +22,8 @@ PROCESS = re.compile(r'^process (\d+):"([^"]*)"$')
 
 
 def _fold(name: str) -> str:
-    return re.sub(r"\d+", "#", re.sub(r"\(0x[0-9a-f]+\)|\(\d+\)", "", name)).strip()
+    """'thread (0x7f..): upload-3' -> 'upload-#'."""
+    return re.sub(r"\d+", "#", re.sub(r"^thread \([^)]*\):\s*", "", name)).strip()
 
 
 def _frame(f: str) -> str:

@@ -94,3 +94,32 @@ def test_engine_repeats_alternate_the_order_and_keep_the_median(tmp_path, tiny_m
     for run in engine["runs"].values():
         figures = sorted(x["x_realtime"] for x in run["repeats"])
         assert run["x_realtime"] == figures[0] and run["failed"] == 0
+
+
+def _pyspy() -> str | None:
+    found = shutil.which("py-spy")
+    local = Path(sys.executable).with_name("py-spy")
+    return found or (str(local) if local.exists() else None)
+
+
+def test_worker_stage_samples_the_gil_holders_at_each_jobs_start(tmp_path, tiny_model_dir):
+    """`--pyspy-job-start`: py-spy attached to the worker over each measured job's first seconds, GIL
+    holders only, summarised per process and thread next to the result; the job is measured as usual."""
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server not on PATH")
+    pyspy = _pyspy()
+    if pyspy is None:
+        pytest.skip("py-spy not installed")
+    args = ["--tiny", "--device", "cpu", "--segments", "4", "--max-s", "3", "--worker-run", "rows=4,flow=2,task=2",
+            "--worker-task-sizes", "4", "--budget-s", "3000"]
+    out = bench(tmp_path, *args, "--stages", "worker", "--pyspy-job-start", pyspy, "--pyspy-seconds", "1",
+                "--fixture-yaml", str(tiny_model_dir / "cosyvoice2.yaml"), "--name", "spy")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    (run,) = json.loads((tmp_path / "spy.json").read_text())["stages"]["worker"]["runs"].values()
+    assert run["done"] == run["segments"] > 0
+    spy = run["pyspy_job_start"]
+    if "error" in spy and "ermission" in spy["error"]:
+        pytest.skip(f"py-spy cannot attach here: {spy['error']}")
+    assert spy.get("samples", 0) > 0, spy
+    text = (tmp_path / spy["file"]).read_text()
+    assert text.startswith("# py-spy --gil of the worker") and "== process" in text and "-- threads" in text
