@@ -306,35 +306,47 @@ def busy_pct(summary: dict | None) -> float | None:
 
 
 class JobStartSpy:
-    """py-spy sampling the worker process, GIL holders only, over a job's first seconds (`--pyspy-job-start`):
+    """py-spy sampling the worker process, GIL holders only, over a job's start (`--pyspy-job-start`):
     who holds the GIL while the worker takes a job in and its GPU idles (the timeline's GIL probe says
-    when, this says who). Started before the job is submitted; a py-spy that cannot attach leaves the
-    job measured as without it and its error in the result."""
+    when, this says who). Attached before `voxbatch submit` runs (the job is created and its tasks
+    published while that process runs), stopped `seconds` after it returns (SIGINT: py-spy writes
+    what it has). A py-spy that cannot attach leaves the job measured as without it, its error in
+    the result."""
 
-    LEAD_S = 0.5  # py-spy attaches in well under this; the job is submitted after it
+    LEAD_S = 0.5  # py-spy attaches in well under this
+    MAX_S = 120  # py-spy's own limit, should the stop never come
 
     def __init__(self, proc: subprocess.Popen, raw: Path, log: Path):
         self.proc, self.raw, self.log = proc, raw, log
+        self._stop: threading.Timer | None = None
 
     @classmethod
-    def start(cls, pyspy: str, pid: int, seconds: float) -> JobStartSpy:
+    def start(cls, pyspy: str, pid: int) -> JobStartSpy:
         tmp = Path(tempfile.mkdtemp(prefix="pyspy-"))
         raw, log = tmp / "raw.txt", tmp / "log.txt"
         cmd = [pyspy, "record", "--pid", str(pid), "--subprocesses", "--threads", "--gil", "--nonblocking",
-               "--rate", "200", "--duration", str(math.ceil(seconds + cls.LEAD_S)), "--format", "raw", "-o", str(raw)]
+               "--rate", "200", "--duration", str(cls.MAX_S), "--format", "raw", "-o", str(raw)]
         proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
         time.sleep(cls.LEAD_S)
         return cls(proc, raw, log)
+
+    def submitted(self, seconds: float) -> None:
+        """The job exists now: stop sampling `seconds` from here."""
+        self._stop = threading.Timer(seconds, lambda: self.proc.poll() is None and self.proc.send_signal(2))
+        self._stop.start()
 
     def finish(self, out: Path, title: str) -> dict:
         """Wait for py-spy, write the summary to `out`; {'file': name, 'samples': n} or {'error': ...}."""
         from bench.pyspy_summary import summarise
 
         try:
-            self.proc.wait(timeout=60)
+            self.proc.wait(timeout=self.MAX_S + 30)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             return {"error": "py-spy did not finish"}
+        finally:
+            if self._stop is not None:
+                self._stop.cancel()
         lines = self.raw.read_text(errors="replace").splitlines() if self.raw.exists() else []
         if not lines:
             return {"error": f"py-spy exited {self.proc.returncode}: {self.log.read_text(errors='replace')[-500:]}"}
@@ -938,16 +950,18 @@ class Bench:
             print(f"  warm job done after {time.perf_counter() - t:.1f}s ({warm_job['x_realtime']}x realtime: the "
                   "worker's first job, one-time costs included)", flush=True)
             for size in a.worker_task_sizes:
-                spy = JobStartSpy.start(a.pyspy_job_start, harness.worker.pid, a.pyspy_seconds) if a.pyspy_job_start else None
+                spy = JobStartSpy.start(a.pyspy_job_start, harness.worker.pid) if a.pyspy_job_start else None
                 with GpuUtilisation() as util:
                     t0 = time.time()
                     job = harness.submit(corpus, "bench", size, self.official_dir())
+                    if spy is not None:
+                        spy.submitted(a.pyspy_seconds)
                     res = harness.wait(job, a.worker_timeout_s)
                     t1 = time.time()
                 if spy is not None:
                     res["pyspy_job_start"] = spy.finish(a.out / f"{a.name}_pyspy_job_start_tasks_of_{size}.txt",
-                                                        f"py-spy --gil of the worker over the first {a.pyspy_seconds} s of "
-                                                        f"the tasks-of-{size} job ({a.name})")
+                                                        f"py-spy --gil of the worker from before `voxbatch submit` to "
+                                                        f"{a.pyspy_seconds} s after it returned, tasks-of-{size} job ({a.name})")
                 wall = res["finished_at"] - res["created_at"]
                 busy = util.summary(window=(res["created_at"], res["finished_at"]), raw=True)
                 res.update(task_size=size, wall_s=round(wall, 3), x_realtime=round(res["audio_s"] / wall, 1),
@@ -1301,7 +1315,8 @@ def main() -> None:
     ap.add_argument("--worker-timeout-s", type=float, default=300.0)
     ap.add_argument("--pyspy-job-start", default=None, metavar="PY_SPY",
                     help="worker stage: sample the worker with this py-spy binary (GIL holders) over each measured job's start")
-    ap.add_argument("--pyspy-seconds", type=float, default=1.5, help="how much of each job's start --pyspy-job-start samples")
+    ap.add_argument("--pyspy-seconds", type=float, default=1.5,
+                    help="--pyspy-job-start samples until this long after `voxbatch submit` returned")
     ap.add_argument("--worker-warm-segments", type=int, default=32,
                     help="worker stage: segments of the warm job before the measured ones (first flow shapes, allocator)")
     ap.add_argument("--redis-server", default=None, help="redis-server binary for the worker stage (default: PATH)")
