@@ -157,8 +157,9 @@ def _wav_pcm16(audio: np.ndarray, sample_rate: int) -> bytes:
     x * 2^31 in float32, rounded to int32, the top 16 bits; tests/test_audio.py), written with the
     standard library's `wave` in one call. libsndfile writing into memory calls back into Python for
     every chunk, each call taking the GIL, on the upload threads while the engine's threads launch GPU
-    work: py-spy --gil put soundfile at 5.6% of a worker run's GIL samples (SoundFile._cdata_io and its
-    format checks, bench/results/gpu_h200_worker13_pyspy.txt); this is one numpy pass and one write."""
+    work: py-spy --gil put soundfile at 5.6% of the GIL samples of a GPU bench process running the
+    engine (SoundFile._cdata_io and its format checks, bench/results/gpu_h200_worker13_pyspy.txt);
+    this is one numpy pass and one write."""
     x = clip(audio)
     scaled = np.rint(x * np.float32(2**31)).astype(np.float64)  # float32 product, as libsndfile's
     pcm = (np.clip(scaled, -(2**31), 2**31 - 1).astype(np.int64) >> 16).astype("<i2")
