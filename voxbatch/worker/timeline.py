@@ -15,8 +15,9 @@ queues to run dry).
 
 Two more say whether the host keeps the GPU fed. `gil <us>`, every GIL_WINDOW_S, is how late a probe
 thread woke from its GIL_PROBE_S sleeps on average (microseconds): waking needs the GIL, so the delay
-is the wait every thread launching GPU work meets at that moment (tens of microseconds when the GIL is
-free, the switch interval times the threads that want it when it is not). `vocode_host_ms <ms>` is how
+is the wait every thread launching GPU work meets at that moment (~100 microseconds when the GIL is
+free, the sleep's own overshoot on the H200 hosts; up to the switch interval times the threads that
+want it when it is not). `vocode_host_ms <ms>` is how
 long a flow/HiFT batch took to queue all its GPU work (the host's part, GIL waits included) and
 `vocode_ms <ms>` its whole wall time: a batch whose host part is most of its wall time kept its
 stream short of work.
