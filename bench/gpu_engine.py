@@ -36,6 +36,7 @@ import math
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -332,7 +333,7 @@ class JobStartSpy:
 
     def submitted(self, seconds: float) -> None:
         """The job exists now: stop sampling `seconds` from here."""
-        self._stop = threading.Timer(seconds, lambda: self.proc.poll() is None and self.proc.send_signal(2))
+        self._stop = threading.Timer(seconds, lambda: self.proc.poll() is None and self.proc.send_signal(signal.SIGINT))
         self._stop.start()
 
     def finish(self, out: Path, title: str) -> dict:
@@ -1349,6 +1350,8 @@ def main() -> None:
         ap.error("--engine-runs must not repeat a configuration (use --engine-repeats N, N >= 1)")
     parse_run(args.worker_run)
     parse_run(args.invariance_run)
+    if args.pyspy_job_start and shutil.which(args.pyspy_job_start) is None:
+        ap.error(f"--pyspy-job-start: no py-spy at {args.pyspy_job_start!r}")
 
     torch.manual_seed(0)
     bench = Bench(args)

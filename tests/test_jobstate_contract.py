@@ -25,14 +25,15 @@ def new_job(store: JobStore, total: int) -> str:
     return job_id
 
 
-def test_done_among_answers_is_done_for_each(store):
-    """A task's done-set in one call: the same answers as `is_done` one by one, in the order asked."""
+def test_a_tasks_done_set_answers_is_done_for_each(store):
+    """A task's done-set in one call (with the job's state): the same answers as `is_done` one by one,
+    in the order asked."""
     job = new_job(store, 4)
     store.finish(job, "a", audio_s=1.0)
     store.finish(job, "c", error="boom")  # failed is not done
     ids = ["d", "a", "c", "b", "a"]
-    assert store.done_among(job, ids) == [store.is_done(job, s) for s in ids] == [False, True, False, False, True]
-    assert store.done_among(job, []) == []
+    assert store.state_and_done(job, ids)[1] == [store.is_done(job, s) for s in ids] == [False, True, False, False, True]
+    assert store.state_and_done(job, [])[1] == []
 
 
 def test_state_and_done_in_one_call(store):
@@ -42,11 +43,11 @@ def test_state_and_done_in_one_call(store):
     store.finish(job, "a", audio_s=1.0)
     store.finish(job, "b", error="boom")
     for seg in ("a", "b", "c"):
-        assert store.state_and_done(job, seg) == (store.state(job), store.is_done(job, seg))
-    assert store.state_and_done(job, "a") == ("running", True)
+        assert store.state_and_done(job, [seg]) == (store.state(job), [store.is_done(job, seg)])
+    assert store.state_and_done(job, ["a"]) == ("running", [True])
     store.cancel(job)
-    assert store.state_and_done(job, "c") == ("cancelled", False)
-    assert store.state_and_done("no-such-job", "a") == (None, False)
+    assert store.state_and_done(job, ["c"]) == ("cancelled", [False])
+    assert store.state_and_done("no-such-job", ["a"]) == (None, [False])
 
 
 def test_finish_codes_and_counts(store):

@@ -147,14 +147,11 @@ class JobStore(ABC):
     def is_done(self, job_id: str, seg_id: str) -> bool: ...
 
     @abstractmethod
-    def done_among(self, job_id: str, seg_ids: list[str]) -> list[bool]:
-        """`is_done` for each of a task's segments in one call (one round trip): a worker's intake asks
-        it once per task, not once per segment."""
-
-    @abstractmethod
-    def state_and_done(self, job_id: str, seg_id: str) -> tuple[JobState | None, bool]:
-        """`state` and `is_done` in one call (one round trip): the check an upload thread makes before
-        it stores each segment (a cancelled job, or another delivery that stored it meanwhile)."""
+    def state_and_done(self, job_id: str, seg_ids: list[str]) -> tuple[JobState | None, list[bool]]:
+        """`state` and `is_done` of each of `seg_ids`, in one call (one round trip): what a worker asks
+        once per task at intake (cancelled? which segments are done?) and once per segment before it
+        stores one (a cancelled job, or another delivery that stored it meanwhile). An unknown job:
+        (None, all False)."""
 
     @abstractmethod
     def mark_reused(self, job_id: str, seg_id: str) -> None:
@@ -241,17 +238,13 @@ class RedisJobStore(JobStore):
     def is_done(self, job_id: str, seg_id: str) -> bool:
         return bool(self.r.sismember(self._k(job_id, "done"), seg_id))
 
-    def done_among(self, job_id: str, seg_ids: list[str]) -> list[bool]:
-        if not seg_ids:
-            return []
-        return [bool(x) for x in self.r.smismember(self._k(job_id, "done"), seg_ids)]  # Redis >= 6.2
-
-    def state_and_done(self, job_id: str, seg_id: str) -> tuple[JobState | None, bool]:
+    def state_and_done(self, job_id: str, seg_ids: list[str]) -> tuple[JobState | None, list[bool]]:
         pipe = self.r.pipeline(transaction=False)
         pipe.hget(self._k(job_id), "state")
-        pipe.sismember(self._k(job_id, "done"), seg_id)
-        state, done = pipe.execute()
-        return state, bool(done)
+        if seg_ids:
+            pipe.smismember(self._k(job_id, "done"), seg_ids)  # Redis >= 6.2
+        state, *done = pipe.execute()
+        return state, [bool(x) for x in done[0]] if seg_ids else []
 
     def done_ids(self, job_id: str) -> set[str]:
         return set(self.r.smembers(self._k(job_id, "done")))
@@ -406,15 +399,12 @@ class MemoryJobStore(JobStore):
         with self._lock:
             return seg_id in self._jobs[job_id]["done"]
 
-    def done_among(self, job_id: str, seg_ids: list[str]) -> list[bool]:
-        with self._lock:
-            done = self._jobs[job_id]["done"]
-            return [s in done for s in seg_ids]
-
-    def state_and_done(self, job_id: str, seg_id: str) -> tuple[JobState | None, bool]:
+    def state_and_done(self, job_id: str, seg_ids: list[str]) -> tuple[JobState | None, list[bool]]:
         with self._lock:
             j = self._jobs.get(job_id)
-            return (j["state"], seg_id in j["done"]) if j else (None, False)
+            if j is None:
+                return None, [False] * len(seg_ids)
+            return j["state"], [s in j["done"] for s in seg_ids]
 
     def failed(self, job_id: str) -> dict[str, str]:
         with self._lock:

@@ -258,16 +258,16 @@ class Pipeline:
         with self._handles_lock:
             self._handles.add(handle)
         try:
-            where = f"job {task.job_id}"
-            state = self._service(lambda: self.jobs.state(task.job_id), where, stop=self._abandoned)
+            # The job's state and which segments are recorded done: one call for the task.
+            ids = [seg.id for seg in task.segments]
+            state, done = self._service(lambda: self.jobs.state_and_done(task.job_id, ids), f"job {task.job_id}",
+                                        stop=self._abandoned)
             if state == "cancelled":
                 stored = [True] * len(task.segments)
             else:
-                # Which segments are recorded done: one call for the task. Then lazily, in order: each
-                # other segment goes to the intake as soon as its own storage lookup is back, not after
-                # the whole task's (a task of 256 held the engine's first rows for all its round trips).
-                ids = [seg.id for seg in task.segments]
-                done = self._service(lambda: self.jobs.done_among(task.job_id, ids), where, stop=self._abandoned)
+                # Lazily, in order: each other segment goes to the intake as soon as its own storage lookup
+                # is back, not after the whole task's (a task of 256 held the engine's first rows for all
+                # its round trips).
                 stored = self._lookups.map(lambda seg, d: d or self._already_stored(handle, seg), task.segments, done)
             for seg, skip in zip(task.segments, stored):
                 if skip:
@@ -415,7 +415,7 @@ class Pipeline:
     def _store(self, tag: _Tag, result: SynthesisResult) -> None:
         task, seg = tag.handle.task, tag.segment
         where = f"segment {task.job_id}/{seg.id}"
-        state, done = self._service(lambda: self.jobs.state_and_done(task.job_id, seg.id), where)
+        state, (done,) = self._service(lambda: self.jobs.state_and_done(task.job_id, [seg.id]), where)
         if state == "cancelled":
             tag.handle.segment_finished()  # rendered before the cancel reached us: keep storage as Redis says
             return
