@@ -359,7 +359,10 @@ class JobStartSpy:
 # Short names in --engine-runs / --worker-run specs -> Settings fields.
 RUN_KEYS = {"rows": "engine_max_batch", "flow": "engine_flow_batch", "task": "batch_size", "dtype": "llm_dtype",
             "inflight": "worker_inflight_segments", "upload": "upload_threads",
-            "format": "output_format", "gil": "gil_switch_interval_ms", "vocoders": "engine_vocoder_threads"}
+            "format": "output_format", "gil": "gil_switch_interval_ms", "vocoders": "engine_vocoder_threads",
+            "backend": "llm_backend", "process": "vllm_engine_process", "async": "vllm_async_scheduling",
+            "vgraphs": "vllm_cudagraph_max_tokens"}
+VLLM_RUN_KEYS = ("process", "async", "vgraphs")  # the keys a --vllm-runs spec may set
 
 
 # Engine-stage A/B of scheduler and kernel choices that are code constants, not settings: key ->
@@ -418,6 +421,19 @@ def switched(run: dict[str, str]) -> Iterator[None]:
     finally:
         for mod, attr, value in saved:
             setattr(mod, attr, value)
+
+
+def vllm_run(spec: str) -> dict:
+    """A --vllm-runs spec ('shipped', or 'process=0,async=1,vgraphs=1024') -> VllmOptions keywords,
+    read through Settings as a worker reads them (the same types, bounds and defaults)."""
+    from voxbatch.settings import Settings
+
+    run = {} if spec == "shipped" else parse_run(spec)
+    if unknown := set(run) - set(VLLM_RUN_KEYS):
+        raise SystemExit(f"bad --vllm-runs spec {spec!r}: keys {', '.join(sorted(unknown))} are not vLLM options ({', '.join(VLLM_RUN_KEYS)})")
+    s = Settings(**{RUN_KEYS[k]: v for k, v in run.items()})
+    return {"engine_process": s.vllm_engine_process, "async_scheduling": s.vllm_async_scheduling,
+            "cudagraph_max_tokens": s.vllm_cudagraph_max_tokens}
 
 
 def engine_order(specs: list[str], repeats: int) -> list[str]:
@@ -713,34 +729,47 @@ class Bench:
             torch.cuda.empty_cache()
 
         save_llm(self.llm, self.model_dir)
-        t = time.perf_counter()
-        backend = VllmLlmBackend(self.model_dir, VllmOptions(gpu_memory_utilization=self.args.vllm_mem, max_model_len=self.max_seq,
-                                                             max_num_seqs=B, export_cache_dir=str(self.tmp / "vllm-export")))
-        startup = time.perf_counter() - t
-        rows, by_vllm = [], {}
-        try:
-            list(backend.generate(self._fixed_requests(4, 8)))
-            for b in self.args.llm_batches:
-                r = self._measure(backend, self._fixed_requests(b, self.args.llm_tokens))
-                r.update(impl="vllm", batch=b)
-                rows.append(r)
-                print(f"  llm vllm B={b:4d} {r['tokens_per_s']:10.1f} tok/s", flush=True)
-            for order, reqs in orders.items():
-                by_vllm[order] = self._measure(backend, reqs)
-                by_vllm[order].update(impl=f"vllm, continuous, corpus, {order}", batch=B)
-                print(f"  llm vllm corpus B={B:4d} {order}: {by_vllm[order]['tokens_per_s']:10.1f} tok/s", flush=True)
-            rows += [*by_vllm.values(), *by_torch.values()]
-        finally:
-            backend.close()
-        ratios = {order: round(by_vllm[order]["tokens_per_s"] / by_torch[order]["tokens_per_s"], 3) for order in orders}
-        for order, ratio in ratios.items():
-            print(f"  llm corpus B={B} {order}: vllm / torch = {ratio}", flush=True)
+        rows, runs = [], {}
+        for spec in self.args.vllm_runs:
+            run = vllm_run(spec)
+            label = "" if spec == "shipped" else f" [{spec}]"
+            t = time.perf_counter()
+            backend = VllmLlmBackend(self.model_dir, VllmOptions(gpu_memory_utilization=self.args.vllm_mem, max_model_len=self.max_seq,
+                                                                 max_num_seqs=B, export_cache_dir=str(self.tmp / "vllm-export"), **run))
+            startup = time.perf_counter() - t
+            by_vllm = {}
+            try:
+                list(backend.generate(self._fixed_requests(4, 8)))
+                for b in self.args.llm_batches:
+                    r = self._measure(backend, self._fixed_requests(b, self.args.llm_tokens))
+                    r.update(impl=f"vllm{label}", batch=b)
+                    rows.append(r)
+                    print(f"  llm vllm{label} B={b:4d} {r['tokens_per_s']:10.1f} tok/s", flush=True)
+                for order, reqs in orders.items():
+                    by_vllm[order] = self._measure(backend, reqs)
+                    by_vllm[order].update(impl=f"vllm, continuous, corpus, {order}{label}", batch=B)
+                    rows.append(by_vllm[order])
+                    print(f"  llm vllm{label} corpus B={B:4d} {order}: {by_vllm[order]['tokens_per_s']:10.1f} tok/s", flush=True)
+            finally:
+                backend.close()
+                del backend
+                gc.collect()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+            ratios = {order: round(by_vllm[order]["tokens_per_s"] / by_torch[order]["tokens_per_s"], 3) for order in orders}
+            for order, ratio in ratios.items():
+                print(f"  llm{label} corpus B={B} {order}: vllm / torch = {ratio}", flush=True)
+            runs[spec] = {"options": run, "startup_s": round(startup, 1), "vllm_over_torch_by_order": ratios,
+                          "corpus_tokens_per_s": {o: v["tokens_per_s"] for o, v in by_vllm.items()}}
+        rows += list(by_torch.values())
         intake = "longest text first"
-        corpus_cmp = {"rows": B, "requests": len(given), "order": f"{intake} (the engine intake's order)",
-                      "vllm_tokens_per_s": by_vllm[intake]["tokens_per_s"], "torch_tokens_per_s": by_torch[intake]["tokens_per_s"],
-                      "vllm_over_torch": ratios[intake], "vllm_over_torch_by_order": ratios,
-                      "tokens": {"vllm": by_vllm[intake]["tokens"], "torch": by_torch[intake]["tokens"]}}
-        return {"startup_s": round(startup, 1), "rows": rows, "corpus": corpus_cmp, "gpu_memory_utilization": self.args.vllm_mem}
+        first = self.args.vllm_runs[0]
+        corpus_cmp = {"rows": B, "requests": len(given), "order": f"{intake} (the engine intake's order)", "run": first,
+                      "vllm_tokens_per_s": runs[first]["corpus_tokens_per_s"][intake], "torch_tokens_per_s": by_torch[intake]["tokens_per_s"],
+                      "vllm_over_torch": runs[first]["vllm_over_torch_by_order"][intake],
+                      "vllm_over_torch_by_order": runs[first]["vllm_over_torch_by_order"]}
+        return {"startup_s": runs[first]["startup_s"], "rows": rows, "corpus": corpus_cmp, "runs": runs,
+                "gpu_memory_utilization": self.args.vllm_mem}
 
     # -- where the GPU time goes ----------------------------------------------------------------------------
 
@@ -1335,6 +1364,9 @@ def main() -> None:
     ap.add_argument("--format", default="wav", choices=["wav", "flac", "ogg"])
     ap.add_argument("--baseline-segments", type=int, default=10)
     ap.add_argument("--vllm-mem", type=float, default=0.3)
+    ap.add_argument("--vllm-runs", nargs="+", default=["shipped"],
+                    help="vllm stage: one vLLM engine per spec, side by side in this run: 'shipped' (the settings' defaults) "
+                         "or key=value pairs of %s; the first is the one compared in the headline ratio" % ", ".join(VLLM_RUN_KEYS))
     ap.add_argument("--budget-s", type=float, default=520, help="skip stages that would start after this many seconds")
     ap.add_argument("--tiny", action="store_true", help="the test fixture's sizes (CPU smoke run)")
     ap.add_argument("--fixture-yaml", type=Path, default=REPO.parent / "shared" / "fixtures" / "cosyvoice2-tiny" / "cosyvoice2.yaml")
@@ -1348,6 +1380,10 @@ def main() -> None:
         parse_run(spec, switches=True)
     if len(set(args.engine_runs)) != len(args.engine_runs) or args.engine_repeats < 1:
         ap.error("--engine-runs must not repeat a configuration (use --engine-repeats N, N >= 1)")
+    if len(set(args.vllm_runs)) != len(args.vllm_runs):
+        ap.error("--vllm-runs must not repeat a configuration")
+    for spec in args.vllm_runs:
+        vllm_run(spec)  # a bad spec fails here, not after the stages before it ran
     parse_run(args.worker_run)
     parse_run(args.invariance_run)
     if args.pyspy_job_start and shutil.which(args.pyspy_job_start) is None:

@@ -572,3 +572,52 @@ def test_long_seeded_prompts_that_overflow_one_step(backend, ref):
     assert sorted(batched) == list(range(8)) and all(len(t) >= 5 for t in batched.values())
     single = {i: next(iter(backend.generate([r]))).tokens for i, r in enumerate(reqs)}
     assert batched == single
+
+
+def test_cudagraph_sizes_cover_refill_steps():
+    from voxbatch.worker.cosyvoice2.vllm_backend import cudagraph_sizes
+
+    sizes = cudagraph_sizes(1024, 256)
+    assert sizes == sorted(set(sizes)) and sizes[0] == 1 and sizes[-1] == 1024
+    assert {1, 2, 4, 8, 16, 248, 256}.issubset(sizes)  # every decode batch up to the rows, as vLLM's own
+    assert 256 + 262 <= min(s for s in sizes if s >= 256 + 262) <= 256 + 262 + 32  # a refill step pads by < 32
+    assert cudagraph_sizes(100, 256)[-1] == 96  # no size past the cap
+    assert cudagraph_sizes(4, 256) == [1, 2, 4]
+
+
+def test_engine_process_falls_back_without_the_plugin(monkeypatch, caplog):
+    _vllm_or_skip()
+    from voxbatch.worker.cosyvoice2 import vllm_backend
+
+    monkeypatch.setattr(vllm_backend, "plugin_installed", lambda: False)
+    with caplog.at_level("WARNING", logger=vllm_backend.__name__):
+        assert not vllm_backend.engine_in_own_process(vllm_backend.VllmOptions(engine_process=True), on_cpu=False)
+    assert "vllm.general_plugins" in caplog.text
+    monkeypatch.setattr(vllm_backend, "plugin_installed", lambda: True)
+    assert vllm_backend.engine_in_own_process(vllm_backend.VllmOptions(), on_cpu=False)  # the GPU default
+    assert not vllm_backend.engine_in_own_process(vllm_backend.VllmOptions(), on_cpu=True)  # the CPU default
+
+
+def test_engine_core_in_its_own_process_draws_the_same_tokens(tiny_model_dir, backend, ref, max_model_len, tmp_path):
+    """The engine core in a process of its own (vLLM's multiprocess client, the model class found
+    through the installed entry point, as the GPU default runs it) gives the in-process engine's
+    tokens for the same RAS requests, and closing it ends that process."""
+    _vllm_or_skip()
+    from voxbatch.worker.cosyvoice2.vllm_backend import VllmLlmBackend, VllmOptions, plugin_installed
+
+    if not plugin_installed():
+        pytest.skip("voxbatch is not installed (pip install -e .): no vllm.general_plugins entry point for the engine-core process")
+    reqs = [LlmRequest(**{**r.__dict__, "seed": r.seed + 10 * k}) for k in range(3) for r in _mixed_requests(ref, greedy=False)]
+    in_process = {r.index: r.tokens for r in backend.generate(reqs)}
+    own = VllmLlmBackend(tiny_model_dir, VllmOptions(max_model_len=max_model_len, max_num_seqs=8, export_cache_dir=str(tmp_path), dtype="float32",
+                                                     engine_process=True))
+    try:
+        core = own.engine.engine_core
+        proc = getattr(core, "resources", None) and core.resources.engine_manager
+        assert type(core).__name__ == "SyncMPClient", type(core).__name__
+        assert {r.index: r.tokens for r in own.generate(reqs)} == in_process
+    finally:
+        own.close()
+    for p in getattr(proc, "processes", []):
+        p.join(timeout=30)
+        assert not p.is_alive(), "the engine-core process outlived close()"

@@ -64,6 +64,16 @@ class Settings(BaseSettings):
     # vLLM's max_model_len: prompt + speech tokens one request may hold; the engine caps a segment's
     # max_tokens (20 x its text tokens) to fit, as it does for the torch backend's KV cache.
     vllm_max_model_len: int = Field(4096, ge=64)
+    # Where vLLM's engine core runs. None: in a process of its own on a GPU (its scheduling and
+    # launches then hold no GIL the flow/HiFT and upload threads want), in the worker's process on a
+    # CPU; it needs voxbatch installed (the model class reaches that process through the package's
+    # vllm.general_plugins entry point) and falls back to the worker's process, with a warning, if not.
+    vllm_engine_process: bool | None = None
+    # vLLM's asynchronous scheduling (step N+1 scheduled while step N runs). None: vLLM's choice.
+    vllm_async_scheduling: bool | None = None
+    # Largest vLLM step, in tokens, replayed from CUDA graphs; a step that admits a prompt beside
+    # the decoding rows is larger than vLLM's default (2 x rows, at most 512). None: vLLM's default.
+    vllm_cudagraph_max_tokens: int | None = Field(None, ge=1, le=8192)
     # Most segments the engine decodes at once (the torch backend's KV-cache rows, vLLM's max_num_seqs).
     # None: the engine picks (`llm_rows`, voxbatch/worker/cosyvoice2/engine.py): 256 with the LLM on
     # a GPU, the fastest measured (bench/results/gpu_h200_worker.json), halved until the torch

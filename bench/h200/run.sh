@@ -4,6 +4,16 @@ set -o pipefail
 cd "$(dirname "$0")"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site whl/*.whl >/dev/null 2>&1 || { echo "pip install failed"; exit 3; }
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+# pyproject.toml's entry points, as an installed voxbatch declares them: vLLM's engine-core process
+# finds the model class through vllm.general_plugins (vllm_backend.plugin_installed); src/ itself
+# travels as plain files on PYTHONPATH, which declare none.
+python3 - src/pyproject.toml /tmp/site/voxbatch-0.0.dist-info <<'PY' || exit 3
+import sys, tomllib, pathlib
+eps = tomllib.loads(pathlib.Path(sys.argv[1]).read_text())["project"]["entry-points"]
+d = pathlib.Path(sys.argv[2]); d.mkdir(parents=True, exist_ok=True)
+(d / "METADATA").write_text("Metadata-Version: 2.1\nName: voxbatch\nVersion: 0.0\n")
+(d / "entry_points.txt").write_text("".join(f"[{g}]\n" + "".join(f"{k} = {v}\n" for k, v in m.items()) for g, m in eps.items()))
+PY
 # vLLM's FlashAttention-3 library (make_kit.sh), where the image has no vLLM of its own.
 if [ -f fa3.tar.xz ] && ! python3 -c "import importlib.util as u, sys; sys.exit(u.find_spec('vllm') is None)"; then
   mkdir -p /tmp/fa3 && tar xJf fa3.tar.xz -C /tmp/fa3 && export PYTHONPATH=$PYTHONPATH:/tmp/fa3

@@ -9,13 +9,19 @@ same seed) and hands vLLM one-hot logits, which vLLM's greedy sampler takes as t
 
 One scheduler: a single driver thread owns the engine and runs the `add_request` / `step()` loop.
 `generate()` calls from any thread hand their requests to it and receive each result as its request
-finishes, so concurrent callers share one continuously batched engine. The engine core runs in this
-process (no engine-core subprocess), which also keeps the model registration and the logits
-processor visible to it without an installed entry point.
+finishes, so concurrent callers share one continuously batched engine.
+
+Where the engine core runs (`VllmOptions.engine_process`): on a GPU in a process of its own, as
+vLLM runs it by default. There its scheduler, input preparation and the model's launches hold no
+GIL that this process's flow/HiFT threads and upload threads want, and it steps on while this
+process turns outputs into results. The child finds the model class through the
+`vllm.general_plugins` entry point (pyproject.toml), so that needs voxbatch installed; where it is
+not (a source checkout on PYTHONPATH), or on a CPU, the core runs in this process.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import itertools
 import logging
 import queue
@@ -69,6 +75,12 @@ class VllmOptions:
     export_cache_dir: str | None = None  # where the vLLM folder goes (default: see vllm_export)
     dtype: str | None = None  # "float32" / "bfloat16"; None: float32 on CPU, bfloat16 on GPU (parity checks ask float32)
     max_prefill_tokens: int | None = None  # prompt positions one engine step takes (at least max_model_len); None: 2048 on CPU, 8192 on GPU
+    engine_process: bool | None = None  # engine core in its own process; None: yes on a GPU where the plugin is installed
+    async_scheduling: bool | None = None  # schedule step N+1 while step N runs; None: vLLM's choice (on where supported)
+    # Largest engine step (tokens: decode rows + prompt positions) replayed from CUDA graphs. A step
+    # that admits a new prompt beside 256 decoding rows holds ~520 tokens, past vLLM's default
+    # (2 x max_num_seqs, at most 512), so without this every refill step runs without graphs. None: vLLM's.
+    cudagraph_max_tokens: int | None = None
 
 
 class _Job:
@@ -112,6 +124,9 @@ class VllmLlmBackend(LlmBackend):
             max_model_len=settings.vllm_max_model_len,
             max_num_seqs=settings.engine_max_batch,
             dtype=None if settings.llm_dtype == "auto" else settings.llm_dtype,
+            engine_process=settings.vllm_engine_process,
+            async_scheduling=settings.vllm_async_scheduling,
+            cudagraph_max_tokens=settings.vllm_cudagraph_max_tokens,
         )
         return cls(settings.model_dir, options)
 
@@ -264,8 +279,37 @@ class VllmLlmBackend(LlmBackend):
                 job.results.put(LlmResult(index=index, tokens=tokens))
 
 
+PLUGIN = "voxbatch.worker.cosyvoice2.vllm_model:register"
+
+
+def plugin_installed() -> bool:
+    """Whether an installed distribution declares our `vllm.general_plugins` entry point, through
+    which a vLLM process started on its own (the engine core) registers the model class."""
+    return any(ep.value == PLUGIN for ep in importlib.metadata.entry_points(group="vllm.general_plugins"))
+
+
+def cudagraph_sizes(max_tokens: int, max_num_seqs: int) -> list[int]:
+    """Step sizes (tokens) to capture up to `max_tokens`: vLLM's own steps up to the decode batch
+    (1, 2, 4, then every 8), then every 32 tokens (a step is padded to the next size; prompts of
+    ~260 positions make the steps past the batch coarse anyway)."""
+    decode = min(max_num_seqs, max_tokens)
+    sizes = [s for s in (1, 2, 4) if s <= decode] + list(range(8, decode + 1, 8))
+    sizes += list(range((sizes[-1] // 32 + 1) * 32, max_tokens + 1, 32))
+    return sorted(set(sizes))
+
+
+def engine_in_own_process(options: VllmOptions, on_cpu: bool) -> bool:
+    wanted = (not on_cpu) if options.engine_process is None else options.engine_process
+    if wanted and not plugin_installed():
+        log.warning("vllm: the engine core runs in this process: no installed distribution declares the "
+                    "vllm.general_plugins entry point %s (pip install voxbatch)", PLUGIN)
+        return False
+    return wanted
+
+
 def _build_engine(folder: Path, options: VllmOptions) -> tuple[Any, torch.dtype]:
-    """An in-process vLLM engine for the exported folder, with the RAS logits processor."""
+    """A vLLM engine for the exported folder, with the RAS logits processor; its core in this process
+    or in its own (`engine_in_own_process`)."""
     from vllm.engine.arg_utils import EngineArgs
     from vllm.platforms import current_platform
     from vllm.v1.engine.llm_engine import LLMEngine
@@ -302,8 +346,13 @@ def _build_engine(folder: Path, options: VllmOptions) -> tuple[Any, torch.dtype]
         kwargs["kv_cache_memory_bytes"] = options.kv_cache_bytes_cpu
     else:
         kwargs["gpu_memory_utilization"] = options.gpu_memory_utilization
+    if options.async_scheduling is not None:
+        kwargs["async_scheduling"] = options.async_scheduling
+    if options.cudagraph_max_tokens and not on_cpu:
+        kwargs["compilation_config"] = {"cudagraph_capture_sizes": cudagraph_sizes(options.cudagraph_max_tokens, options.max_num_seqs)}
+    own_process = engine_in_own_process(options, on_cpu)
     vllm_config = EngineArgs(**kwargs).create_engine_config()
-    if on_cpu and vllm_config.parallel_config.world_size == 1:
+    if not own_process and vllm_config.parallel_config.world_size == 1:
         # vLLM's CPU platform switches to a worker subprocess unless VLLM_ENABLE_V1_MULTIPROCESSING=0;
         # keep the worker in this process (what that variable does) so it sees our registrations.
         vllm_config.parallel_config.distributed_executor_backend = "uni"
@@ -315,6 +364,9 @@ def _build_engine(folder: Path, options: VllmOptions) -> tuple[Any, torch.dtype]
         vllm_config=vllm_config,
         executor_class=Executor.get_class(vllm_config),
         log_stats=False,
-        multiprocess_mode=False,
+        multiprocess_mode=own_process,
     )
+    log.info("vllm engine: core %s, async scheduling %s, CUDA graphs up to %s tokens",
+             "in its own process" if own_process else "in this process", vllm_config.scheduler_config.async_scheduling,
+             vllm_config.compilation_config.max_cudagraph_capture_size)
     return engine, dtype
