@@ -299,6 +299,34 @@ def _tenths(v: list[float]) -> list[list[float]]:
     return [v[i * n // 10 : (i + 1) * n // 10] for i in range(10)]
 
 
+def utilisation_lag(device: str, busy_s: float = 1.5) -> dict | None:
+    """How late nvidia-smi's utilisation follows the GPU, measured: idle, then matmuls back to back
+    for `busy_s`, then idle again; the delay from the first kernel to the first reading of >= 50%
+    (rise) and from the last kernel's end to the first reading under 50% (fall). A reading covers
+    the driver's last sample period, so a job's window of readings [created, finished] sees the GPU
+    over roughly [created - lag, finished - lag]: shifted by the lag it covers the job itself."""
+    if not device.startswith("cuda") or not shutil.which("nvidia-smi"):
+        return None
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    torch.cuda.synchronize(device)
+    with GpuUtilisation() as util:
+        time.sleep(1.0)
+        t0 = time.time()
+        while time.time() - t0 < busy_s:
+            for _ in range(20):
+                a @ a
+            torch.cuda.synchronize(device)
+        t1 = time.time()
+        time.sleep(1.0)
+    first = sorted({g for _, g, _ in util.samples})[:1]
+    tv = [(t, u) for t, g, u in util.samples if [g] == first]
+    rise = next((t - t0 for t, u in tv if t >= t0 and u >= 50), None)
+    fall = next((t - t1 for t, u in tv if t >= t1 and u < 50), None)
+    if rise is None or fall is None:
+        return {"rise_s": rise, "fall_s": fall, "lag_s": None}
+    return {"rise_s": round(rise, 3), "fall_s": round(fall, 3), "lag_s": round((rise + fall) / 2, 3)}
+
+
 def busy_pct(summary: dict | None) -> float | None:
     """Mean utilisation of the first GPU (the one the engine runs on), or None without nvidia-smi."""
     if not summary:
@@ -979,6 +1007,11 @@ class Bench:
                         "x_realtime": round(res["audio_s"] / wall, 1)}
             print(f"  warm job done after {time.perf_counter() - t:.1f}s ({warm_job['x_realtime']}x realtime: the "
                   "worker's first job, one-time costs included)", flush=True)
+            try:  # the worker is idle between jobs: this process has the GPU
+                lag = utilisation_lag(self.llm_dev)
+            except Exception as e:  # noqa: BLE001 - a failed probe leaves the readings unaligned, recorded
+                lag = {"error": f"{type(e).__name__}: {e}", "lag_s": None}
+            print(f"  nvidia-smi utilisation lag: {lag}", flush=True)
             for size in a.worker_task_sizes:
                 spy = JobStartSpy.start(a.pyspy_job_start, harness.worker.pid) if a.pyspy_job_start else None
                 with GpuUtilisation() as util:
@@ -988,6 +1021,8 @@ class Bench:
                         spy.submitted(a.pyspy_seconds)
                     res = harness.wait(job, a.worker_timeout_s)
                     t1 = time.time()
+                    if lag and lag["lag_s"]:
+                        time.sleep(max(0.0, res["finished_at"] + lag["lag_s"] + 0.2 - time.time()))  # readings of the job's end
                 if spy is not None:
                     res["pyspy_job_start"] = spy.finish(a.out / f"{a.name}_pyspy_job_start_tasks_of_{size}.txt",
                                                         f"py-spy --gil of the worker from before `voxbatch submit` to "
@@ -997,11 +1032,14 @@ class Bench:
                 res.update(task_size=size, wall_s=round(wall, 3), x_realtime=round(res["audio_s"] / wall, 1),
                            submit_to_done_s=round(t1 - t0, 3), x_realtime_incl_submit=round(res["audio_s"] / (t1 - t0), 1),
                            gpu_utilisation=busy, gpu_busy_pct=busy_pct(busy))
+                if lag and lag["lag_s"]:  # the same readings, the window moved by the measured lag
+                    shifted = (res["created_at"] + lag["lag_s"], res["finished_at"] + lag["lag_s"])
+                    res.update(utilisation_lag=lag, gpu_busy_pct_lag_aligned=busy_pct(util.summary(window=shifted)))
                 log_lines = harness.log.read_text(errors="replace").splitlines()
                 res["timeline"] = timeline.summary(timeline.read(log_lines, res["created_at"], res["finished_at"]))
                 runs[f"tasks_of_{size}"] = res
                 print(f"  worker tasks of {size}: {res['x_realtime']:.1f}x realtime, wall {wall:.1f}s, "
-                      f"GPU busy {res['gpu_busy_pct']}%, done {res['done']}, failed {res['failed']}", flush=True)
+                      f"GPU busy {res['gpu_busy_pct']}% ({res.get('gpu_busy_pct_lag_aligned')}% lag-aligned), done {res['done']}, failed {res['failed']}", flush=True)
                 if res["failed"]:
                     raise RuntimeError(f"worker run with tasks of {size}: {res['failed']} segments failed: {res['errors']}")
         finally:
