@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from voxbatch.worker.cosyvoice2 import cuda_graphs
 from voxbatch.worker.cosyvoice2.checkpoint import ModelDirError, check_keys, empty_init, load_state_dict, read_config, section
 from voxbatch.worker.cosyvoice2.flow_encoder import EncoderDims, UpsampleConformerEncoder, length_mask
 from voxbatch.worker.cosyvoice2.flow_estimator import CausalConditionalDecoder, EstimatorDims
@@ -216,17 +217,10 @@ class _StepGraph:
         if slot is None:
             slot = {"stream": torch.cuda.Stream(dev), "pool": torch.cuda.graph_pool_handle(), "last": None}
             setattr(_per_thread, str(dev), slot)
-        side, current = slot["stream"], torch.cuda.current_stream(dev)
         t_in, dt_in = t.clone(), dt.clone()
         graph = torch.cuda.CUDAGraph()
-        side.wait_stream(current)  # x, the branches and t_in/dt_in are written on `current`
         try:
-            with torch.cuda.stream(side):
-                graph.capture_begin(pool=slot["pool"], capture_error_mode="thread_local")
-                try:
-                    cfm._step(x, t_in, dt_in, branches, streaming)
-                finally:
-                    graph.capture_end()
+            cuda_graphs.capture(graph, slot["stream"], slot["pool"], lambda: cfm._step(x, t_in, dt_in, branches, streaming))
         except Exception as e:  # noqa: BLE001 - the eager steps still work
             if first:
                 log.warning("flow step CUDA graph before an eager step failed (%s: %s); each batch's first step "
@@ -236,7 +230,6 @@ class _StepGraph:
             log.warning("flow step CUDA graph unavailable (%s: %s); the flow runs eagerly", type(e).__name__, e)
             _graphs_failed = True
             return None
-        current.wait_stream(side)
         slot["last"] = graph  # the pool's previous graph (a finished batch's) is released only now
         return cls(graph, t_in, dt_in)
 

@@ -41,6 +41,7 @@ from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 from vllm.v1.sample.logits_processor import LogitsProcessor as V1LogitsProcessor
 
 from voxbatch.models import RAS_TAU_R, RAS_TOP_K, RAS_TOP_P, RAS_WIN_SIZE
+from voxbatch.worker.cosyvoice2 import cuda_graphs
 from voxbatch.worker.cosyvoice2.sampling import sample_tokens, seed_keys
 from voxbatch.worker.cosyvoice2.vllm_export import SPEECH_TOKEN_SIZE_KEY
 
@@ -282,9 +283,9 @@ class _StepGraphs:
             self.proc.step(buf, self.count)  # warm-up: kernel selection, allocator
         torch.cuda.current_stream(logits.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        # thread_local: vLLM's driver thread captures while the vocoder thread may be running flow/HiFT.
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            self.proc.step(buf, self.count)
+        # Without a device-wide sync: with the engine core in the worker's process, a vocoder thread
+        # may be capturing its flow graphs right now (cuda_graphs).
+        cuda_graphs.capture(graph, side, self.pool, lambda: self.proc.step(buf, self.count))
         self.graphs[(size, logits.dtype)] = (graph, buf)
         return graph, buf
 
