@@ -24,6 +24,7 @@ def test_capture_while_another_thread_captures_on_gpu() -> None:
         y = torch.randn(64, 64, device="cuda")
         try:
             with torch.cuda.stream(s):
+                (y @ y).relu_()  # warm-up: cuBLAS's handle and workspace for this thread and stream
                 g.capture_begin(capture_error_mode="thread_local")
                 try:
                     (y @ y).relu_()
@@ -39,8 +40,10 @@ def test_capture_while_another_thread_captures_on_gpu() -> None:
     t.start()
     try:
         assert opened.wait(30)
-        graph = torch.cuda.CUDAGraph()
-        cuda_graphs.capture(graph, torch.cuda.Stream(), torch.cuda.graph_pool_handle(), lambda: torch.matmul(x, x, out=out))
+        graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        with torch.cuda.stream(stream):  # warm-up, as the engine's callers do before they capture
+            torch.matmul(x, x, out=out)
+        cuda_graphs.capture(graph, stream, torch.cuda.graph_pool_handle(), lambda: torch.matmul(x, x, out=out))
     finally:
         release.set()
         t.join(30)
