@@ -64,15 +64,22 @@ class Settings(BaseSettings):
     # vLLM's max_model_len: prompt + speech tokens one request may hold; the engine caps a segment's
     # max_tokens (20 x its text tokens) to fit, as it does for the torch backend's KV cache.
     vllm_max_model_len: int = Field(4096, ge=64)
-    # Where vLLM's engine core runs. None: in a process of its own on a GPU (its scheduling and
-    # launches then hold no GIL the flow/HiFT and upload threads want), in the worker's process on a
-    # CPU; it needs voxbatch installed (the model class reaches that process through the package's
-    # vllm.general_plugins entry point) and falls back to the worker's process, with a warning, if not.
+    # Where vLLM's engine core runs. None: in a process of its own on a GPU, in the worker's process
+    # on a CPU. On an H200 the worker's engine on vLLM ran at 267.2x real time with the core in its
+    # own process against 190.8x in the worker's (bench/results/gpu_h200_vllm7_log.txt,
+    # gpu_h200_vllm8.json; the LLM alone is faster in-process, 18.2k vs 14.5k tokens/s,
+    # gpu_h200_vllm5.json: in the worker its scheduling competes for the GIL with flow/HiFT). Needs
+    # voxbatch installed (the model class reaches that process through the package's
+    # vllm.general_plugins entry point); without it the core runs in the worker's process, with a warning.
     vllm_engine_process: bool | None = None
-    # vLLM's asynchronous scheduling (step N+1 scheduled while step N runs). None: vLLM's choice.
+    # vLLM's asynchronous scheduling (step N+1 scheduled while step N runs). None: vLLM's choice (on).
+    # Off measured faster for the LLM alone (17.8k vs 14.5k tokens/s, one run each,
+    # gpu_h200_vllm5.json), but the worker's engine with it off has no clean run yet (its one run
+    # aborted, gpu_h200_vllm7_log.txt), so the default stays vLLM's.
     vllm_async_scheduling: bool | None = None
     # Largest vLLM step, in tokens, replayed from CUDA graphs; a step that admits a prompt beside
-    # the decoding rows is larger than vLLM's default (2 x rows, at most 512). None: vLLM's default.
+    # the decoding rows is larger than vLLM's default (2 x rows, at most 512). None: vLLM's default
+    # (1024 measured mixed: 15.8k vs 14.5k tokens/s on the corpus, 19.6k vs 21.3k at fixed rows, gpu_h200_vllm5.json).
     vllm_cudagraph_max_tokens: int | None = Field(None, ge=1, le=8192)
     # Most segments the engine decodes at once (the torch backend's KV-cache rows, vLLM's max_num_seqs).
     # None: the engine picks (`llm_rows`, voxbatch/worker/cosyvoice2/engine.py): 256 with the LLM on
