@@ -318,8 +318,8 @@ def utilisation_lag(device: str, busy_s: float = 1.5) -> dict | None:
             torch.cuda.synchronize(device)
         t1 = time.time()
         time.sleep(1.0)
-    first = sorted({g for _, g, _ in util.samples})[:1]
-    tv = [(t, u) for t, g, u in util.samples if [g] == first]
+    gpu = min((g for _, g, _ in util.samples), default=None)  # the first GPU, as busy_pct reads it
+    tv = [(t, u) for t, g, u in util.samples if g == gpu]
     rise = next((t - t0 for t, u in tv if t >= t0 and u >= 50), None)
     fall = next((t - t1 for t, u in tv if t >= t1 and u < 50), None)
     if rise is None or fall is None:

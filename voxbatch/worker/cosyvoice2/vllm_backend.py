@@ -353,8 +353,9 @@ def _build_engine(folder: Path, options: VllmOptions) -> tuple[Any, torch.dtype]
     own_process = engine_in_own_process(options, on_cpu)
     vllm_config = EngineArgs(**kwargs).create_engine_config()
     if not own_process and vllm_config.parallel_config.world_size == 1:
-        # vLLM's CPU platform switches to a worker subprocess unless VLLM_ENABLE_V1_MULTIPROCESSING=0;
-        # keep the worker in this process (what that variable does) so it sees our registrations.
+        # An in-process core keeps its worker in this process too, so the worker sees our
+        # registrations: vLLM's CPU platform would otherwise start a worker subprocess (unless
+        # VLLM_ENABLE_V1_MULTIPROCESSING=0); on a GPU "uni" is already vLLM's choice for one device.
         vllm_config.parallel_config.distributed_executor_backend = "uni"
     if getattr(vllm_config, "use_v2_model_runner", False):
         if RasLogitsProcessorV2 is None:
