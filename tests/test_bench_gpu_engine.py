@@ -72,6 +72,8 @@ def test_every_stage_runs_on_cpu_and_the_result_has_a_headline(tmp_path, tiny_mo
         assert run["alone_rerun_identical"] == "2/2"
     assert set(inv["decision"]) >= {"fp32_x_realtime_cost_pct", "fp32_llm_cost_pct", "bfloat16", "float32", "recommend"}
     assert "## Re-render identity" in (tmp_path / "gpu_engine.md").read_text()
+    host = r["environment"]["host"]  # bench/host_speed.py: the host's speed beside the GPU's
+    assert host["python_loop_ns"] > 0 and host["torch_cpu_op_us"] > 0 and host["cuda_launch_us"] is None
 
 
 def test_repeated_engine_configuration_is_an_error(tmp_path):

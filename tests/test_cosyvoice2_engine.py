@@ -393,3 +393,33 @@ def test_voice_cache_reloads_a_voice_after_its_ttl():
     assert cache.get("a") == cache.get("a") == 1 and loads == ["a"]
     expiring = VoiceCache(lambda name: loads.append(name) or len(loads), lambda profile: profile, ttl_s=0)
     assert expiring.get("b") == 2 and expiring.get("b") == 3  # expired at once: loaded again
+
+
+def test_left_aligned_mel_batch_is_the_padded_rows():
+    """MelBatch.left_aligned (one gather) gives `_pad` of the rows, value for value: each row's frames
+    moved to frame 0, zeros after (also where the batch holds non-zero values there), the width rounded
+    up to the quantum."""
+    from voxbatch.worker.cosyvoice2.engine import MelBatch, _pad
+
+    gen = torch.Generator().manual_seed(0)
+    mel = torch.randn(3, 5, 40, generator=gen) + 2.0  # no zeros: padding must come from the mask
+    batch = MelBatch(mel, starts=[3, 0, 11], ends=[40, 17, 30])
+    got, lens = batch.left_aligned(8, torch.device("cpu"))
+    want = _pad([m.transpose(0, 1) for m in batch.rows()], lens, 8).transpose(1, 2)
+    assert lens == [37, 17, 19] and got.shape == (3, 5, 40)
+    assert torch.equal(got, want)
+
+
+def test_vocode_without_speed_equals_the_row_path(engine):
+    """vocode's one-gather path (every speed 1) gives the audio of the list path (`waves` of the
+    flow's rows), bit for bit on the CPU."""
+    wants = [12, 5, 20]
+    batch = [req(i, t, exact_bound(engine, t, w)) for i, (t, w) in enumerate(zip(TEXTS, wants))]
+    items = [engine.item(r) for r in batch]
+    for res in engine.llm.generate([it.llm for it in items]):
+        items[res.index].tokens = res.tokens
+    fast = [r.audio for r in engine.vocode(items)]
+    mels = engine.mels([it.tokens for it in items], [it.voice for it in items])
+    rows = engine.waves(mels, [1.0] * len(items), [it.request.seed for it in items])
+    for a, b in zip(fast, rows):
+        assert np.array_equal(a, b)

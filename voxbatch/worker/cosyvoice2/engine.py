@@ -114,6 +114,10 @@ def llm_rows(placement: Placement, kv_bytes_per_row: int | None, free_bytes: int
 # the H200: 239.6x vs 229.3x with hift_quantum=1 (bench/results/gpu_h200_ab1.json).
 HIFT_FRAME_QUANTUM = 32
 
+# The flow's padded batch goes to HiFT realigned in one gather (MelBatch.left_aligned) where no row
+# changes speed, instead of a slice, a transpose and a copy per row: the same values. Bench switch `gather`.
+GATHER_TO_HIFT = True
+
 FLOW_ROWS_MAX = 128  # the fastest flow + HiFT batch measured on an H200 (128 over 64: bench/results/h200_probe1.json)
 
 
@@ -181,6 +185,47 @@ def _pad(rows: list[torch.Tensor], lengths: list[int], quantum: int = 1) -> torc
     for i, (row, n) in enumerate(zip(rows, lengths)):
         out[i, :n] = row[:n]
     return out
+
+
+def _voice_batch(voices: list[PreparedVoice]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The voices' flow prompts as padded batches: tokens (B, T_p), mel (B, T_pm, 80), embedding
+    (B, 192). One voice for the whole batch (the usual case) is broadcast, not copied row by row."""
+    first = voices[0]
+    if all(v is first for v in voices):
+        B = len(voices)
+        return (first.flow_tokens[None].expand(B, -1), first.prompt_mel[None].expand(B, -1, -1),
+                first.embedding[None].expand(B, -1))
+    pad = torch.nn.utils.rnn.pad_sequence
+    return (pad([v.flow_tokens for v in voices], batch_first=True), pad([v.prompt_mel for v in voices], batch_first=True),
+            torch.stack([v.embedding for v in voices]))
+
+
+@dataclass(frozen=True)
+class MelBatch:
+    """One flow batch's mels where the flow left them: `mel` (B, 80, T) fp32, prompt frames first;
+    row i's output is mel[i, :, starts[i]:ends[i]]."""
+
+    mel: torch.Tensor
+    starts: list[int]
+    ends: list[int]
+
+    def rows(self) -> list[torch.Tensor]:
+        """B mels (80, T_mel_i), views of the batch."""
+        return [self.mel[i, :, a:b] for i, (a, b) in enumerate(zip(self.starts, self.ends))]
+
+    def left_aligned(self, quantum: int, device: torch.device) -> tuple[torch.Tensor, list[int]]:
+        """Each row's output moved to frame 0, zeros after, width rounded up to `quantum` frames:
+        (B, 80, W) on `device` and the lengths. The same values as `_pad` of `rows()`, in one gather
+        instead of a slice and a copy per row."""
+        lens = [b - a for a, b in zip(self.starts, self.ends)]
+        width = -(-max(lens, default=0) // quantum) * quantum
+        B, C, T = self.mel.shape
+        dev = self.mel.device
+        frames = torch.arange(width, device=dev)[None, :]  # (1, W)
+        src = (to_device(self.starts, torch.long, dev)[:, None] + frames).clamp(max=max(T - 1, 0))  # (B, W)
+        valid = frames < to_device(lens, torch.long, dev)[:, None]  # (B, W)
+        out = torch.where(valid[:, None, :], self.mel.gather(2, src[:, None, :].expand(B, C, width)), 0.0)
+        return out.to(device), lens
 
 
 def time_scale(mel: torch.Tensor, speed: float) -> torch.Tensor:
@@ -474,25 +519,36 @@ class CosyVoice2Engine(Engine):
         def queued() -> None:  # every GPU call of the batch is queued; the host copy waits for them next
             timeline.event("vocode_host_ms", round(1000 * (time.perf_counter() - started)))
 
+        speeds = [item.request.params.speed for item in items]
+        seeds = [item.request.seed for item in items]
         with deterministic_cudnn():
-            mels = self.mels([item.tokens or [] for item in items], [item.voice for item in items])
-            audio = self.waves(mels, [item.request.params.speed for item in items], [item.request.seed for item in items],
-                               queued)
+            batch = self.mel_batch([item.tokens or [] for item in items], [item.voice for item in items])
+            if GATHER_TO_HIFT and all(s == 1.0 for s in speeds):  # the flow's batch to HiFT, realigned in one gather
+                mel, mel_lens = batch.left_aligned(HIFT_FRAME_QUANTUM, self.hift.conv_pre.weight.device)
+                audio = self._waves(mel, mel_lens, seeds, queued)
+            else:
+                audio = self.waves(batch.rows(), speeds, seeds, queued)
         for item, wav in zip(items, audio):
             yield SynthesisResult(item.request, wav)
 
     def mels(self, tokens: list[list[int]], voices: list[PreparedVoice]) -> list[torch.Tensor]:
         """One flow batch: B token sequences (each with its voice) -> B mels (80, T_mel_i), on the flow device."""
+        return self.mel_batch(tokens, voices).rows()
+
+    def mel_batch(self, tokens: list[list[int]], voices: list[PreparedVoice]) -> MelBatch:
+        """`mels` as the flow leaves them: one padded batch (B, 80, T) with each row's frames."""
         flow_dev = self.flow.encoder_proj.weight.device
         tok_lens = [len(t) for t in tokens]
-        tok = to_device(_pad([torch.tensor(t, dtype=torch.long) for t in tokens], tok_lens), torch.long, flow_dev)  # (B, T_tok)
+        tok = np.zeros((len(tokens), max(tok_lens, default=0)), dtype=np.int64)  # (B, T_tok), built without torch calls
+        for i, t in enumerate(tokens):
+            tok[i, : len(t)] = t
         p_lens = [v.flow_tokens.shape[0] for v in voices]
         pm_lens = [v.prompt_mel.shape[0] for v in voices]
-        prompt_tok = _pad([v.flow_tokens for v in voices], p_lens)  # (B, T_p)
-        prompt_mel = _pad([v.prompt_mel for v in voices], pm_lens)  # (B, T_pm, 80)
-        embedding = torch.stack([v.embedding for v in voices])  # (B, 192)
+        prompt_tok, prompt_mel, embedding = _voice_batch(voices)  # (B, T_p), (B, T_pm, 80), (B, 192)
         with torch.inference_mode():  # lengths as host lists: the flow call waits on nothing queued on the GPU
-            return self.flow.inference(tok, tok_lens, prompt_tok, p_lens, prompt_mel, pm_lens, embedding)  # B x (80, T_mel_i) fp32
+            mel, starts, ends = self.flow.inference_batch(to_device(tok, torch.long, flow_dev), tok_lens, prompt_tok, p_lens,
+                                                          prompt_mel, pm_lens, embedding)
+        return MelBatch(mel, starts, ends)
 
     def waves(self, mels: list[torch.Tensor], speeds: list[float], seeds: list[int],
               queued: Callable[[], None] | None = None) -> list[np.ndarray]:
@@ -503,7 +559,13 @@ class CosyVoice2Engine(Engine):
             mels = [time_scale(m, s).to(hift_dev) for m, s in zip(mels, speeds)]
             mel_lens = [m.shape[1] for m in mels]
             mel = _pad([m.transpose(0, 1) for m in mels], mel_lens, HIFT_FRAME_QUANTUM).transpose(1, 2)  # (B, 80, T_mel)
-            generators = [torch.Generator(device=hift_dev).manual_seed(s) for s in seeds]
+        return self._waves(mel, mel_lens, seeds, queued)
+
+    def _waves(self, mel: torch.Tensor, mel_lens: list[int], seeds: list[int],
+               queued: Callable[[], None] | None = None) -> list[np.ndarray]:
+        """`waves` of a padded batch (B, 80, T_mel) on HiFT's device with its rows' lengths."""
+        with torch.inference_mode():
+            generators = [torch.Generator(device=mel.device).manual_seed(s) for s in seeds]
             wav, _ = self.hift.inference(mel, mel_lens, generators)  # (B, T_wav); host lengths: no sync until to_host
             wav = wav.float()
             if queued is not None:

@@ -314,6 +314,25 @@ class CausalFlow(nn.Module):
         checks and the final per-row slices need them on the host, and reading them back from the
         device waits for everything queued before (at the end, the whole decoder).
         """
+        mel, starts, ends = self.inference_batch(tokens, token_lens, prompt_tokens, prompt_lens, prompt_feat,
+                                                 prompt_feat_lens, embedding, streaming, finalize)
+        return [mel[i, :, starts[i] : ends[i]] for i in range(mel.shape[0])]
+
+    @torch.inference_mode()
+    def inference_batch(
+        self,
+        tokens: torch.Tensor,
+        token_lens: torch.Tensor | Sequence[int],
+        prompt_tokens: torch.Tensor,
+        prompt_lens: torch.Tensor | Sequence[int],
+        prompt_feat: torch.Tensor,
+        prompt_feat_lens: torch.Tensor | Sequence[int],
+        embedding: torch.Tensor,
+        streaming: bool = False,
+        finalize: bool = True,
+    ) -> tuple[torch.Tensor, list[int], list[int]]:
+        """`inference` without the per-row slices: the padded mel (B, 80, T_mel) fp32, prompt frames
+        included, and each row's output frames as host lists: row i is mel[i, :, starts[i]:ends[i]]."""
         device = self.encoder_proj.weight.device
         B = tokens.shape[0]
         tokens, prompt_tokens = tokens.to(device).long(), prompt_tokens.to(device).long()
@@ -337,7 +356,7 @@ class CausalFlow(nn.Module):
         mask = frame_ok[:, None].to(self.dtype)  # (B, 1, T)
 
         mel = self.decoder(mu, mask, self.speaker(embedding.to(device)), cond, streaming=streaming)
-        return [mel[i, :, pf_host[i] : mel_host[i]] for i in range(B)]
+        return mel, pf_host, mel_host
 
 
 def _concat_padded(
