@@ -422,6 +422,7 @@ SWITCHES = {
     "fa3_q": ("voxbatch.worker.cosyvoice2.flash_varlen", "FA3_SKIP_PADDING", lambda v: v in ("1", "true")),
     "graphs": ("voxbatch.worker.cosyvoice2.flow", "EULER_STEP_GRAPHS", lambda v: v in ("1", "true")),
     "cf": ("voxbatch.worker.cosyvoice2.flow", "EULER_CAPTURE_FIRST", lambda v: v in ("1", "true")),
+    "gcache": ("voxbatch.worker.cosyvoice2.flow", "STEP_GRAPH_CACHE", lambda v: v in ("1", "true")),
     "sfwav": ("voxbatch.audio", "WAV_BY_LIBSNDFILE", lambda v: v in ("1", "true")),
 }
 

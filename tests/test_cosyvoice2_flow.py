@@ -609,6 +609,7 @@ def test_euler_replay_plumbing_on_cpu(flow: CausalFlow, monkeypatch, warm: bool)
     with torch.inference_mode():
         eager = cfm(mu, mask, spks, cond)
         monkeypatch.setattr(flow_module, "_capturable", lambda x: True)
+        monkeypatch.setattr(flow_module, "STEP_GRAPH_CACHE", False)  # the per-batch graph path
         monkeypatch.setattr(flow_module._StepGraph, "capture", staticmethod(capture))
         monkeypatch.setattr(flow_module._StepGraph, "warm", staticmethod(lambda device: warm))
         monkeypatch.setattr(flow_module, "EULER_CAPTURE_FIRST", True)
@@ -644,6 +645,7 @@ def test_euler_step_graphs_equal_eager_on_gpu(model_dir: Path, monkeypatch, capt
     replays = []
     real_replay = flow_module._StepGraph.replay
     monkeypatch.setattr(flow_module._StepGraph, "replay", lambda self, t, dt: (replays.append(1), real_replay(self, t, dt)))
+    monkeypatch.setattr(flow_module, "STEP_GRAPH_CACHE", False)  # the per-batch graph path
     monkeypatch.setattr(flow_module, "_graphs_failed", False)
     monkeypatch.setattr(flow_module, "_capture_first_failed", False)
     monkeypatch.setattr(flow_module, "EULER_CAPTURE_FIRST", capture_first)
@@ -669,6 +671,7 @@ def test_failed_capture_first_brings_back_the_eager_first_step_on_gpu(model_dir:
     """A capture before any eager step that fails turns only capture-first off: that batch runs its
     first step eagerly, captures after it (graphs stay on) and gives the eager mel."""
     cfm, inputs, valid = _full_cfm_on_gpu(model_dir)
+    monkeypatch.setattr(flow_module, "STEP_GRAPH_CACHE", False)  # the per-batch graph path
     monkeypatch.setattr(flow_module, "_graphs_failed", False)
     monkeypatch.setattr(flow_module, "_capture_first_failed", False)
     monkeypatch.setattr(flow_module, "EULER_CAPTURE_FIRST", True)
@@ -705,6 +708,7 @@ def test_euler_step_graph_failure_falls_back_on_gpu(model_dir: Path, monkeypatch
     """A capture that fails is logged once, graphs go off for the process, and the batch still gets
     the eager mel (the captured step never ran, so the ODE state is untouched)."""
     cfm, inputs, valid = _full_cfm_on_gpu(model_dir)
+    monkeypatch.setattr(flow_module, "STEP_GRAPH_CACHE", False)  # the per-batch graph path
     monkeypatch.setattr(flow_module, "_graphs_failed", False)
     monkeypatch.setattr(flow_module, "EULER_STEP_GRAPHS", False)
     with torch.inference_mode():
@@ -718,6 +722,87 @@ def test_euler_step_graph_failure_falls_back_on_gpu(model_dir: Path, monkeypatch
         fallback = cfm(*inputs)
     assert flow_module._graphs_failed
     assert torch.equal(fallback[valid], eager[valid])
+
+
+# -- step graphs kept per batch shape (flow.STEP_GRAPH_CACHE) ---------------------------------------
+
+
+def test_cached_step_graphs_plumbing_on_cpu(flow: CausalFlow, monkeypatch) -> None:
+    """The cached-graph path on CPU with a stand-in graph that runs the captured step eagerly on the
+    buffers it was captured on: a first batch captures its shape's graph after one eager step, a second
+    batch of other values and lengths but the same padded shape replays it for every step from its own
+    copied-in inputs, and each mel is its eager mel (frames padded to the quantum change nothing
+    beyond rounding; a replay on the first batch's inputs would miss by the mel's size). Another shape
+    gets a graph of its own, and the cache keeps GRAPH_CACHE_SIZE graphs."""
+    cfm = flow.decoder
+    replays, captures = [], []
+
+    class EagerGraph:
+        def __init__(self, step):
+            self.step = step
+
+        def replay(self):
+            replays.append(1)
+            self.step()
+
+    def capture(cfm_, x, t, dt, branches, streaming, first=False, keep=True):
+        captures.append(tuple(x.shape))
+        t_in, dt_in = t.clone(), dt.clone()
+        return flow_module._StepGraph(EagerGraph(lambda: cfm_._step(x, t_in, dt_in, branches, streaming)), t_in, dt_in)
+
+    slot = {"cache": flow_module.OrderedDict()}
+    batches = [_estimator_inputs([40, 33, 7], seed=1), _estimator_inputs([35, 38, 20], seed=2), _estimator_inputs([70, 9], seed=3)]
+    with torch.inference_mode():
+        eager = [cfm(mu, mask, spks, cond) for _, mask, mu, _, spks, cond in batches]
+        monkeypatch.setattr(flow_module, "_capturable", lambda x: True)
+        monkeypatch.setattr(flow_module._StepGraph, "capture", staticmethod(capture))
+        monkeypatch.setattr(flow_module, "_slot", lambda device: slot)
+        monkeypatch.setattr(flow_module, "GRAPH_CACHE_SIZE", 1)
+        cached = []
+        for i, (_, mask, mu, _, spks, cond) in enumerate(batches):
+            replays.clear()
+            cached.append(cfm(mu, mask, spks, cond))
+            assert len(replays) == flow_module.N_TIMESTEPS - (0 if i == 1 else 1), i  # batch 1 hits batch 0's graph
+    q = flow_module.GRAPH_FRAME_QUANTUM
+    assert captures == [(3, 80, q * -(-40 // q)), (2, 80, q * -(-70 // q))]
+    assert len(slot["cache"]) == 1
+    for (_, mask, *_rest), got, want in zip(batches, cached, eager):
+        valid = mask.bool().expand(-1, 80, -1)
+        assert got.shape == want.shape
+        assert float((got - want)[valid].abs().max()) <= BATCH_TOL
+
+
+@pytest.mark.gpu
+def test_cached_step_graphs_equal_eager_on_gpu(model_dir: Path, monkeypatch) -> None:
+    """On a vocoder thread's stream, a cached graph replayed for a second batch of the same padded shape
+    (other values, other lengths) gives that batch's eager mel (max abs <= 1e-4 of its scale: the same
+    kernels; stale inputs would miss by a step's size), every step replayed."""
+    cfm, inputs, valid = _full_cfm_on_gpu(model_dir)
+    mu, mask, spks, cond = inputs
+    other_lens = [v - 5 for v in VARLEN_LENS]
+    other_mask = length_mask(torch.tensor(other_lens), mask.shape[2])[:, None].to(mask)
+    g = torch.Generator(device="cuda").manual_seed(9)
+    second = (torch.randn(mu.shape, generator=g, device="cuda").half(), other_mask,
+              torch.randn(spks.shape, generator=g, device="cuda").half(), torch.randn(cond.shape, generator=g, device="cuda").half())
+    replays = []
+    real_replay = flow_module._StepGraph.replay
+    monkeypatch.setattr(flow_module._StepGraph, "replay", lambda self, t, dt: (replays.append(1), real_replay(self, t, dt)))
+    monkeypatch.setattr(flow_module, "_graphs_failed", False)
+    monkeypatch.setattr(flow_module, "_per_thread", threading.local())
+    with torch.inference_mode(), torch.cuda.stream(torch.cuda.Stream()):
+        monkeypatch.setattr(flow_module, "EULER_STEP_GRAPHS", False)
+        eager = [cfm(*inputs), cfm(*second)]
+        monkeypatch.setattr(flow_module, "EULER_STEP_GRAPHS", True)
+        monkeypatch.setattr(flow_module, "STEP_GRAPH_CACHE", True)
+        graphed = [cfm(*inputs), cfm(*second)]
+        torch.cuda.synchronize()
+    n = flow_module.N_TIMESTEPS
+    assert not flow_module._graphs_failed
+    assert len(replays) == (n - 1) + n
+    for out, want, ok in zip(graphed, eager, (valid, other_mask.bool().expand(-1, 80, -1))):
+        assert out.shape == want.shape and torch.isfinite(out).all()
+        scale = float(want[ok].abs().max())
+        assert float((out - want)[ok].abs().max()) <= 1e-4 * scale
 
 
 # -- GELU in the FFN matmul's epilogue (flow_estimator.GELU_EPILOGUE) ------------------------------

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,6 +69,17 @@ _graphs_failed = False
 EULER_CAPTURE_FIRST = False
 _capture_first_failed = False
 _per_thread = threading.local()  # capture stream and memory pool per (thread, device); the last graph
+# Step graphs kept per batch shape (B, T) and replayed for every later batch of that shape: a batch then
+# costs the host 10 replays and a few copies instead of an eager step (~1,250 launches) and a capture
+# (as many again) of its own. The attention takes its key counts from the mask on the device (flash
+# varlen, `seqused_k`), so one graph serves any lengths at its shape; the ODE's frames are padded up to
+# GRAPH_FRAME_QUANTUM (masked frames, as a longer batch mate's padding) so that shapes recur. Each
+# cached graph owns its input buffers (x and the branches, copied in per batch); all of a thread's
+# graphs share its memory pool, which holds one step's intermediates, since they replay one after
+# another on the thread's stream. Non-streaming, on CUDA. Bench switch `gcache` (off: a graph per batch).
+STEP_GRAPH_CACHE = True
+GRAPH_FRAME_QUANTUM = 32  # mel frames; padding per batch < this (<5% at the corpus' ~700-frame rows)
+GRAPH_CACHE_SIZE = 24  # graphs kept per vocoder thread and device, least recently used dropped first
 
 # Fixed by the official code, not the yaml.
 N_TIMESTEPS = 10
@@ -154,8 +166,12 @@ class ConditionalFlowMatching(nn.Module):
     ) -> torch.Tensor:
         """mu, cond (B, 80, T_mel); mask (B, 1, T_mel); spks (B, 80) -> mel (B, 80, T_mel) fp32."""
         B, C, T = mu.shape
+        cached = STEP_GRAPH_CACHE and not streaming and n_steps > 1 and _capturable(mu)
+        T_out, T = T, (-(-T // GRAPH_FRAME_QUANTUM) * GRAPH_FRAME_QUANTUM if cached else T)
         if self.noise is None or self.noise.size(2) < T:
             raise ValueError(f"flow: {T} mel frames requested; the fixed noise covers {NOISE_FRAMES}")
+        if T > T_out:  # masked frames up to the quantum: a cached graph's shape
+            mu, mask, cond = (F.pad(a, (0, T - T_out)) for a in (mu, mask, cond))
         x = self.noise[:, :, :T].to(mu.device, torch.float32).expand(B, -1, -1)  # (B, 80, T), same slice per row
         t_span = cosine_t_span(n_steps, mu.device)
         # The guided (rows :B) and unconditional (rows B:) branches as one batch of 2B.
@@ -164,8 +180,10 @@ class ConditionalFlowMatching(nn.Module):
         spks_in = torch.cat([spks, torch.zeros_like(spks)])
         cond_in = torch.cat([cond, torch.zeros_like(cond)])
         times, steps = euler_schedule(t_span)
-        x = x.clone()  # the ODE state, updated in place: (B, 80, T) fp32
         branches = (mask_in, mu_in, spks_in, cond_in)
+        if cached:
+            return _CachedStep.run(self, x, branches, times, steps)[:, :, :T_out]
+        x = x.clone()  # the ODE state, updated in place: (B, 80, T) fp32
         graph = None
         if EULER_CAPTURE_FIRST and not _capture_first_failed and n_steps > 1 and _capturable(x) and _StepGraph.warm(x.device):
             graph = _StepGraph.capture(self, x, times[0], steps[0], branches, streaming, first=True)
@@ -176,7 +194,7 @@ class ConditionalFlowMatching(nn.Module):
             self._step(x, times[k], steps[k], branches, streaming)
             if k == 0 and n_steps > 2 and _capturable(x):
                 graph = _StepGraph.capture(self, x, times[k], steps[k], branches, streaming)
-        return x
+        return x[:, :, :T_out]
 
     def _step(self, x: torch.Tensor, t: torch.Tensor, dt: torch.Tensor, branches: tuple, streaming: bool) -> None:
         """One Euler step in place: x += dt * ((1 + r) v(x | mu, spks, cond) - r v(x | 0, 0, 0)), both
@@ -190,6 +208,16 @@ class ConditionalFlowMatching(nn.Module):
 
 def _capturable(x: torch.Tensor) -> bool:
     return EULER_STEP_GRAPHS and not _graphs_failed and x.is_cuda
+
+
+def _slot(device: torch.device) -> dict:
+    """This thread's capture stream, memory pool, last per-batch graph and cached graphs on `device`."""
+    slot = getattr(_per_thread, str(device), None)
+    if slot is None:
+        slot = {"stream": torch.cuda.Stream(device), "pool": torch.cuda.graph_pool_handle(), "last": None,
+                "cache": OrderedDict()}
+        setattr(_per_thread, str(device), slot)
+    return slot
 
 
 class _StepGraph:
@@ -206,17 +234,13 @@ class _StepGraph:
 
     @classmethod
     def capture(cls, cfm: ConditionalFlowMatching, x: torch.Tensor, t: torch.Tensor, dt: torch.Tensor,
-                branches: tuple, streaming: bool, first: bool = False) -> _StepGraph | None:
+                branches: tuple, streaming: bool, first: bool = False, keep: bool = True) -> _StepGraph | None:
         """Captured on this thread's side stream (a capture may not run on the legacy default stream),
         in thread-local mode (the other threads' CUDA calls go on), into this thread's pool; None,
         with the failure logged once and graphs off from then on, where it cannot be captured (only
         capturing `first`, before any eager step, off where that was the capture that failed)."""
         global _graphs_failed, _capture_first_failed
-        dev = x.device
-        slot = getattr(_per_thread, str(dev), None)
-        if slot is None:
-            slot = {"stream": torch.cuda.Stream(dev), "pool": torch.cuda.graph_pool_handle(), "last": None}
-            setattr(_per_thread, str(dev), slot)
+        slot = _slot(x.device)
         t_in, dt_in = t.clone(), dt.clone()
         graph = torch.cuda.CUDAGraph()
         try:
@@ -230,13 +254,52 @@ class _StepGraph:
             log.warning("flow step CUDA graph unavailable (%s: %s); the flow runs eagerly", type(e).__name__, e)
             _graphs_failed = True
             return None
-        slot["last"] = graph  # the pool's previous graph (a finished batch's) is released only now
+        if keep:
+            slot["last"] = graph  # the pool's previous graph (a finished batch's) is released only now
         return cls(graph, t_in, dt_in)
 
     def replay(self, t: torch.Tensor, dt: torch.Tensor) -> None:
         self.t.copy_(t)
         self.dt.copy_(dt)
         self.graph.replay()
+
+
+class _CachedStep:
+    """A step graph kept for its batch shape (STEP_GRAPH_CACHE), over input buffers of its own."""
+
+    def __init__(self, graph: _StepGraph, x: torch.Tensor, branches: tuple[torch.Tensor, ...]):
+        self.graph, self.x, self.branches = graph, x, branches
+
+    @classmethod
+    def run(cls, cfm: ConditionalFlowMatching, x0: torch.Tensor, branches: tuple, times: list, steps: list) -> torch.Tensor:
+        """The ODE from x0 (B, 80, T) through this thread's graph for the shape, captured (after an
+        eager first step, on the graph's own buffers) when there is none yet; eagerly where no graph
+        can be captured (graphs go off, logged once by `_StepGraph.capture`)."""
+        slot = _slot(x0.device)
+        key = (id(cfm), tuple(x0.shape), *(tuple(b.shape) + (b.dtype,) for b in branches))
+        entry = slot["cache"].get(key)
+        if entry is None:
+            x, own = x0.clone(), tuple(b.clone() for b in branches)
+            cfm._step(x, times[0], steps[0], own, False)  # builds lazy kernels, plans and workspaces first
+            graph = _StepGraph.capture(cfm, x, times[0], steps[0], own, False, keep=False)
+            if graph is None:  # graphs are off now: the rest of this ODE eagerly
+                for k in range(1, len(times)):
+                    cfm._step(x, times[k], steps[k], own, False)
+                return x
+            entry = cls(graph, x, own)
+            slot["cache"][key] = entry
+            while len(slot["cache"]) > GRAPH_CACHE_SIZE:
+                slot["cache"].popitem(last=False)
+            first = 1
+        else:
+            slot["cache"].move_to_end(key)
+            entry.x.copy_(x0)
+            for mine, given in zip(entry.branches, branches):
+                mine.copy_(given)
+            first = 0
+        for k in range(first, len(times)):
+            entry.graph.replay(times[k], steps[k])
+        return entry.x.clone()  # the buffer is the next batch's of this shape
 
 
 class CausalFlow(nn.Module):
