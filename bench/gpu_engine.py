@@ -412,8 +412,6 @@ SWITCHES = {
     "split": ("voxbatch.worker.cosyvoice2.streaming", "TAIL_SPLIT", lambda v: v in ("1", "true")),
     "gelu": ("voxbatch.worker.cosyvoice2.flow_estimator", "GELU_EPILOGUE", lambda v: v in ("1", "true")),
     "source": ("voxbatch.worker.cosyvoice2.hift", "BATCHED_SOURCE", lambda v: v in ("1", "true")),
-    "phase": ("voxbatch.worker.cosyvoice2.hift", "BATCHED_PHASE", lambda v: v in ("1", "true")),
-    "f0": ("voxbatch.worker.cosyvoice2.hift", "BATCHED_F0", lambda v: v in ("1", "true")),
     "draws": ("voxbatch.worker.cosyvoice2.hift", "IN_PLACE_DRAWS", lambda v: v in ("1", "true")),
     "gather": ("voxbatch.worker.cosyvoice2.engine", "GATHER_TO_HIFT", lambda v: v in ("1", "true")),
     "epilogue": ("voxbatch.worker.cosyvoice2.hift", "FUSED_CONV_EPILOGUE", lambda v: v in ("1", "true")),

@@ -248,29 +248,9 @@ def test_gpu(tiny_model_dir, ref):
             wav_b, _ = model.inference(padded.cuda(), lengths, gens)
             assert torch.isfinite(wav_b).all()
             if dtype == torch.float32:
-                _check_gpu_batched_rows(model, mels, padded, lengths)
-
-
-def _check_gpu_batched_rows(model, mels, padded, lengths) -> None:
-    """fp32 on CUDA, batched vs single. With F0 row by row (BATCHED_F0 off) the waveform within 1e-4.
-    With the shipped batched F0 its rounding is integrated into the phase: F0 within F0_REL_TOL and
-    the waveform within RNG_WAV_TOL (the bound for last-bit F0 differences, module docstring)."""
-    from voxbatch.worker.cosyvoice2 import hift as hift_mod
-
-    for batched_f0, wav_tol in ((False, 1e-4), (True, RNG_WAV_TOL)):
-        saved, hift_mod.BATCHED_F0 = hift_mod.BATCHED_F0, batched_f0
-        try:
-            gens = [torch.Generator(device="cuda").manual_seed(s) for s in (1, 2, 3)]
-            wav_b, _ = model.inference(padded.cuda(), lengths, gens)
-            f0_b = model.f0(padded.cuda(), lengths.tolist())
-        finally:
-            hift_mod.BATCHED_F0 = saved
-        for i, m in enumerate(mels):
-            one, _ = model.inference(m.cuda(), generators=[torch.Generator(device="cuda").manual_seed(i + 1)])
-            assert _maxabs(wav_b[i : i + 1, : one.shape[1]], one) <= wav_tol, (batched_f0, i)
-            f0_one = model.f0(m.cuda())[0]
-            rel = ((f0_b[i, : m.shape[2]] - f0_one).abs().max() / f0_one.abs().max().clamp_min(1e-12)).item()
-            assert rel <= F0_REL_TOL, (batched_f0, i, rel)
+                for i, m in enumerate(mels):
+                    one, _ = model.inference(m.cuda(), generators=[torch.Generator(device="cuda").manual_seed(i + 1)])
+                    assert _maxabs(wav_b[i : i + 1, : one.shape[1]], one) <= 1e-4
 
 
 def test_host_lengths_give_the_same_audio_as_device_lengths(hift, ref):
@@ -287,18 +267,14 @@ def test_host_lengths_give_the_same_audio_as_device_lengths(hift, ref):
         hift.inference(padded, lengths.tolist()[:2], gens())
 
 
-def _sources(hift, padded, lengths, seeds, batched: bool, monkeypatch, device: str = "cpu",
-             f0: torch.Tensor | None = None) -> torch.Tensor:
-    """HiFT's source for the padded batch, with the batched form (opened on `device`) or the row loop,
-    from `f0` where given (else the batch's F0, row by row)."""
+def _sources(hift, padded, lengths, seeds, batched: bool, monkeypatch, device: str = "cpu") -> torch.Tensor:
+    """HiFT's source for the padded batch, with the batched form (opened on `device`) or the row loop."""
     from voxbatch.worker.cosyvoice2 import hift as hift_mod
 
     monkeypatch.setattr(hift_mod, "BATCHED_SOURCE", batched)
-    monkeypatch.setattr(hift_mod, "BATCHED_PHASE", batched)
-    monkeypatch.setattr(hift_mod, "BATCHED_F0", False)
     monkeypatch.setattr(hift_mod, "_BATCHED_DEVICES", (device,))
     with torch.inference_mode():
-        f0 = hift.f0(padded, lengths) if f0 is None else f0
+        f0 = hift.f0(padded, lengths)
         gens = [torch.Generator(device=device).manual_seed(s) for s in seeds]
         return hift.source(f0, lengths, gens)
 
@@ -332,11 +308,8 @@ def test_batched_source_rows_identical_alone_on_gpu(tiny_model_dir, ref, monkeyp
     batched = _sources(model, padded.cuda(), lengths.tolist(), seeds, True, monkeypatch, "cuda")
     loop = _sources(model, padded.cuda(), lengths.tolist(), seeds, False, monkeypatch, "cuda")
     assert _maxabs(batched.cpu(), loop.cpu()) <= 1e-6
-    with torch.inference_mode():
-        f0 = model.f0(padded.cuda(), lengths.tolist())  # row by row (_sources turned BATCHED_F0 off)
     for i, m in enumerate(mels):
-        n_mel = m.shape[2]
-        alone = _sources(model, m.cuda(), [n_mel], (seeds[i],), True, monkeypatch, "cuda", f0=f0[i : i + 1, :n_mel])
+        alone = _sources(model, m.cuda(), [m.shape[2]], (seeds[i],), True, monkeypatch, "cuda")
         n = alone.shape[2]
         assert torch.equal(batched[i : i + 1, :, :n], alone)
 
@@ -361,44 +334,3 @@ def test_in_place_cuda_draws_are_the_dense_draws(tiny_model_dir):
     assert torch.equal(drawn[True].phase0, drawn[False].phase0)
     assert torch.equal(drawn[True].noise, drawn[False].noise)
     assert drawn[True].noise[0, lengths[0]:].abs().max().item() == 0.0
-
-
-def test_batched_phase_is_each_row_alone(hift, ref):
-    """The batched phase (BATCHED_PHASE) gives each row exactly its phase alone, over rows of three
-    lengths whose F0 continues past their ends (the edge padding must hide it)."""
-    mels, padded, lengths = _batch(ref)
-    host = lengths.tolist()
-    with torch.inference_mode():
-        f0 = hift.f0(padded, host) + 50.0  # non-zero past each row's end too
-        phase0 = torch.rand(len(host), hift.d.nb_harmonics + 1, generator=torch.Generator().manual_seed(3))
-        batched = hift.m_source.batched_phase(f0, host, phase0)
-        spf = hift.d.samples_per_frame
-        assert batched.shape == (len(host), hift.d.nb_harmonics + 1, max(host) * spf)
-        for i, n in enumerate(host):
-            alone = hift.m_source.phase(f0[i : i + 1, :n], phase0[i : i + 1])
-            assert torch.equal(batched[i : i + 1, :, : n * spf], alone), i
-
-
-def test_batched_f0_matches_rows_and_zeroes_padding(hift, ref, monkeypatch):
-    """F0 over the padded batch in one masked pass (BATCHED_F0, opened on CPU here) against row by
-    row: within F0_REL_TOL (measured: convolution rounding only), zero past each row, and padding
-    mel frames (3.0 in this batch) change nothing."""
-    from voxbatch.worker.cosyvoice2 import hift as hift_mod
-
-    _, padded, lengths = _batch(ref)
-    host = lengths.tolist()
-    monkeypatch.setattr(hift_mod, "_BATCHED_DEVICES", ("cpu",))
-    with torch.inference_mode():
-        monkeypatch.setattr(hift_mod, "BATCHED_F0", False)
-        rows = hift.f0(padded, host)
-        monkeypatch.setattr(hift_mod, "BATCHED_F0", True)
-        batched = hift.f0(padded, host)
-        other_padding = padded.clone()
-        for i, n in enumerate(host):
-            other_padding[i, :, n:] = -7.0
-        again = hift.f0(other_padding, host)
-    assert batched.shape == rows.shape
-    assert ((batched - rows).abs().max() / rows.abs().max()).item() <= F0_REL_TOL
-    assert torch.equal(batched, again)
-    for i, n in enumerate(host):
-        assert batched[i, n:].abs().max().item() == 0.0 if n < padded.shape[2] else True

@@ -115,7 +115,8 @@ def llm_rows(placement: Placement, kv_bytes_per_row: int | None, free_bytes: int
 HIFT_FRAME_QUANTUM = 32
 
 # The flow's padded batch goes to HiFT realigned in one gather (MelBatch.left_aligned) where no row
-# changes speed, instead of a slice, a transpose and a copy per row: the same values. Bench switch `gather`.
+# changes speed, instead of a slice, a transpose and a copy per row: the same values. Measured with
+# hift.IN_PLACE_DRAWS (see there): no difference beyond the noise, kept for costing nothing. Bench switch `gather`.
 GATHER_TO_HIFT = True
 
 FLOW_ROWS_MAX = 128  # the fastest flow + HiFT batch measured on an H200 (128 over 64: bench/results/h200_probe1.json)

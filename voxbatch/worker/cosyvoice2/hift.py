@@ -13,11 +13,9 @@ batched row equals the same mel decoded alone.
 
 Precision: the generator may run in bf16/fp16 (`load_hift(..., dtype=)`); the F0 predictor, the
 F0 -> phase integration, the source and the STFT/iSTFT stay fp32, since the phase is a running sum
-over every sample. On a CPU, F0 and the source phase are computed row by row (see `f0`,
-`SourceModule`), the rest of the source with elementwise ops only, so a row's source does not depend
-on its batch mates. On CUDA all of it runs over the padded batch (host time, not device time, bound
-the vocoder): the phase and the rest of the source stay bit-identical to a row alone, F0 moves by
-rounding (as the flow's mel already does with its batch). On CUDA each masked conv's bias, mask and residual add are one Triton pass
+over every sample. F0 and the source phase are computed row by row (see `f0`, `SourceModule`), the
+rest of the source with elementwise ops only (batched on CUDA), so a row's source does not depend on
+its batch mates. On CUDA each masked conv's bias, mask and residual add are one Triton pass
 (`masked_conv`, bit-identical), and cuDNN's default TF32 convolutions move fp32 output by ~1%: turn
 TF32 off for parity checks.
 
@@ -212,17 +210,15 @@ def _normal_time_major(B: int, T: int, H: int, generator: torch.Generator | None
 # Read at every call; False keeps the row loop (CPU always: its vectorized sine rounds a row's tail
 # by where the row falls in the batch), the benchmark's A/B (`source=0`).
 BATCHED_SOURCE = True
-_BATCHED_DEVICES = ("cuda",)  # where the batched forms run (a test opens CPU)
-# The phase (frame-rate integration and upsampling) over the padded batch too, each row's frames
-# past its end set to its last frame's phase first, so the linear upsampling near a row's end reads
-# what clamping at the row's own end reads: every element is computed by the same arithmetic on the
-# same values as alone (the cumulative sum scans each row in fixed chunks from its start), so a row's
-# phase stays bit-identical to its phase alone (GPU test). Row by row this was ~15 launches per row,
-# ~1,900 per 128-row batch. Bench switch `phase`.
-BATCHED_PHASE = True
-# F0 over the padded batch in one masked pass on CUDA (`HiFTGenerator.f0`); bench switch `f0`.
-BATCHED_F0 = True
-# Per-row CUDA noise drawn straight into the batch's rows (`draw_source_noise`); bench switch `draws`.
+_BATCHED_DEVICES = ("cuda",)  # where the batched form runs (a test opens CPU)
+# Per-row CUDA noise drawn straight into the batch's rows (`draw_source_noise`): the same numbers in a
+# third of the launches. Engine on the H200: 318.0x (318.0, 329.7) with it and the one-gather mel
+# (engine.GATHER_TO_HIFT) vs 316.7x (316.7, 331.1) without either, A B B A
+# (bench/results/gpu_h200_worker17.json): no difference beyond the noise, kept for costing nothing.
+# That run also had F0 and the phase over the padded batch: they moved each row's source by ~2e-4
+# against the row alone on CUDA (a cumulative phase of 1e4 rad keeps ~1e-3 rad of fp32 rounding), so
+# the same mel no longer gave the same audio in another batch, for no measured gain; dropped.
+# Bench switch `draws`.
 IN_PLACE_DRAWS = True
 
 
@@ -257,26 +253,6 @@ class SourceModule(nn.Module):
         phase = torch.cumsum(per_frame, dim=2) * 2 * math.pi
         return F.interpolate(phase * up, scale_factor=up, mode="linear")  # (1, H, T_wav)
 
-    def batched_phase(self, f0: torch.Tensor, host: list[int], phase0: torch.Tensor) -> torch.Tensor:
-        """`phase` for B rows at once: f0 (B, T_mel) Hz, host lengths, phase0 (B, H) -> (B, H, T_wav)
-        with T_wav the longest row's samples; past a row's end the values are of no use (the caller
-        masks them). Each row's phase is bit-identical to `phase` of that row alone (BATCHED_PHASE)."""
-        d, up = self.d, self.d.samples_per_frame
-        B, T_m = f0.shape[0], max(host, default=0)
-        harmonics = torch.arange(1, d.nb_harmonics + 2, device=f0.device, dtype=torch.float32)
-        f0_wav = f0[:, :T_m].float().repeat_interleave(up, dim=1)[:, :, None]  # (B, T_wav, 1)
-        cycles = (f0_wav * harmonics / d.sampling_rate) % 1  # (B, T_wav, H)
-        phase0 = phase0.float().clone()
-        phase0[:, 0] = 0
-        cycles[:, 0, :] = cycles[:, 0, :] + phase0
-        per_frame = F.interpolate(cycles.transpose(1, 2), scale_factor=1 / up, mode="linear")  # (B, H, T_m)
-        phase = torch.cumsum(per_frame, dim=2) * 2 * math.pi
-        # Past each row's end, its last frame (what the upsampling clamps to when the row is alone).
-        last = to_device([max(n, 1) - 1 for n in host], torch.long, f0.device)  # (B,)
-        frames = torch.minimum(torch.arange(phase.size(2), device=f0.device)[None, :], last[:, None])  # (B, T_m)
-        phase = phase.gather(2, frames[:, None, :].expand(-1, phase.size(1), -1))
-        return F.interpolate(phase * up, scale_factor=up, mode="linear")  # (B, H, T_wav)
-
     def sines(self, f0: torch.Tensor, phase0: torch.Tensor) -> torch.Tensor:
         """One row: f0 (1, T_mel) Hz, phase0 (1, H) -> harmonic sines (1, T_wav, H) * amplitude, fp32."""
         return torch.sin(self.phase(f0, phase0).transpose(1, 2)) * self.d.nsf_alpha
@@ -306,13 +282,10 @@ class SourceModule(nn.Module):
         B, T_mel = f0.shape
         T = max(host, default=0) * up
         H = d.nb_harmonics + 1
-        if BATCHED_PHASE:
-            phase = self.batched_phase(f0, host, noise.phase0)
-        else:
-            phase = torch.zeros(B, H, T, device=f0.device)
-            for row, n in enumerate(host):
-                if n:
-                    phase[row, :, : n * up] = self.phase(f0[row : row + 1, :n].float(), noise.phase0[row : row + 1])[0]
+        phase = torch.zeros(B, H, T, device=f0.device)
+        for row, n in enumerate(host):
+            if n:
+                phase[row, :, : n * up] = self.phase(f0[row : row + 1, :n].float(), noise.phase0[row : row + 1])[0]
         sines = torch.sin(phase) * d.nsf_alpha  # (B, H, T)
         uv = (f0[:, : T // up].float().repeat_interleave(up, dim=1) > d.nsf_voiced_threshold).float()[:, None]  # (B, 1, T)
         noise_amp = uv * d.nsf_sigma + (1 - uv) * d.nsf_alpha / 3
@@ -484,22 +457,16 @@ class HiFTGenerator(nn.Module):
     def f0(self, mel: torch.Tensor, mel_lengths: torch.Tensor | Sequence[int] | None = None) -> torch.Tensor:
         """mel (B, 80, T_mel) -> F0 (B, T_mel) in Hz, zero past each row's length.
 
-        On a CPU row by row on each row's own frames: F0 is integrated into the source phase over
-        every sample, so the last-bit differences a batched convolution may pick (another kernel or
+        Row by row on each row's own frames: F0 is integrated into the source phase over every
+        sample, so the last-bit differences a batched convolution may pick (another kernel or
         blocking for another shape) would grow to ~1e-4 in the source; run alone, a row's F0 is
-        bit-identical to its one-at-a-time F0 (the parity tests against the official code rely on
-        it). On CUDA (BATCHED_F0) one masked pass over the batch instead: there the mel itself
-        already moves with its batch by the flow's fp16 rounding, so a row-by-row F0 kept nothing
-        identical, and its ~20 launches per row were host time the vocoder threads share.
+        bit-identical to its one-at-a-time F0. The predictor is small and at the frame rate.
         """
         dtype = self.f0_predictor.classifier.weight.dtype  # fp32 as load_hift leaves it
         mel = mel.to(dtype)
         B, _, T_mel = mel.shape
         if B == 1:
             return self.f0_predictor(mel, length_mask(split_lengths(mel_lengths, B, T_mel, mel.device)[0], T_mel, dtype))
-        if BATCHED_F0 and mel.device.type in _BATCHED_DEVICES:
-            mask = length_mask(split_lengths(mel_lengths, B, T_mel, mel.device)[0], T_mel, dtype)  # (B, 1, T_mel)
-            return self.f0_predictor(mel * mask, mask)  # the mel's padding zeroed, as a row alone sees it
         f0 = mel.new_zeros(B, T_mel)
         for b, n in enumerate(host_lengths(mel_lengths, B, T_mel)):
             row = mel[b : b + 1, :, :n]
