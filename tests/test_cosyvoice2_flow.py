@@ -757,6 +757,7 @@ def test_cached_step_graphs_plumbing_on_cpu(flow: CausalFlow, monkeypatch) -> No
         monkeypatch.setattr(flow_module, "_capturable", lambda x: True)
         monkeypatch.setattr(flow_module._StepGraph, "capture", staticmethod(capture))
         monkeypatch.setattr(flow_module, "_slot", lambda device: slot)
+        monkeypatch.setattr(flow_module, "STEP_GRAPH_CACHE", True)
         monkeypatch.setattr(flow_module, "GRAPH_CACHE_SIZE", 1)
         cached = []
         for i, (_, mask, mu, _, spks, cond) in enumerate(batches):

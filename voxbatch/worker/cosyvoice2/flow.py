@@ -76,8 +76,12 @@ _per_thread = threading.local()  # capture stream and memory pool per (thread, d
 # GRAPH_FRAME_QUANTUM (masked frames, as a longer batch mate's padding) so that shapes recur. Each
 # cached graph owns its input buffers (x and the branches, copied in per batch); all of a thread's
 # graphs share its memory pool, which holds one step's intermediates, since they replay one after
-# another on the thread's stream. Non-streaming, on CUDA. Bench switch `gcache` (off: a graph per batch).
-STEP_GRAPH_CACHE = True
+# another on the thread's stream. Non-streaming, on CUDA. Off: engine 316.2x (316.2, 317.0) with vs
+# 314.7x (314.7, 331.7) without, A B B A, peak GPU memory 30.7 vs 28.7 GiB, and each batch's host
+# share unchanged at 99% in the worker (bench/results/gpu_h200_worker18.json): a vocoder thread's
+# host time is the GPU's backpressure (its launch queue full while another batch holds the SMs), not
+# its Python, on that host; GPU tests passed (gpu_h200_worker18_gpu_tests.txt). Bench switch `gcache`.
+STEP_GRAPH_CACHE = False
 GRAPH_FRAME_QUANTUM = 32  # mel frames; padding per batch < this (<5% at the corpus' ~700-frame rows)
 GRAPH_CACHE_SIZE = 24  # graphs kept per vocoder thread and device, least recently used dropped first
 
