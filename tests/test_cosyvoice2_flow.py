@@ -583,6 +583,26 @@ def test_euler_schedule_is_the_official_arithmetic() -> None:
             dt = t_span[k + 2] - t
 
 
+def _eager_graph_capture(replays: list, captures: list):
+    """A stand-in for `_StepGraph.capture` on CPU: its "graph" runs the captured step eagerly on the
+    tensors it was captured over, counting replays (and the shapes captured)."""
+
+    class EagerGraph:
+        def __init__(self, step):
+            self.step = step
+
+        def replay(self):
+            replays.append(1)
+            self.step()
+
+    def capture(cfm_, x, t, dt, branches, streaming, first=False, keep=True):
+        captures.append(tuple(x.shape))
+        t_in, dt_in = t.clone(), dt.clone()
+        return flow_module._StepGraph(EagerGraph(lambda: cfm_._step(x, t_in, dt_in, branches, streaming)), t_in, dt_in)
+
+    return capture
+
+
 @pytest.mark.parametrize("warm", [False, True], ids=["first_batch_of_a_thread", "capture_first"])
 def test_euler_replay_plumbing_on_cpu(flow: CausalFlow, monkeypatch, warm: bool) -> None:
     """The ODE loop's graph path on CPU, with a stand-in graph that runs the captured step eagerly on
@@ -593,18 +613,7 @@ def test_euler_replay_plumbing_on_cpu(flow: CausalFlow, monkeypatch, warm: bool)
     _, mask, mu, _, spks, cond = inputs
     cfm = flow.decoder
     replays = []
-
-    class EagerGraph:
-        def __init__(self, step):
-            self.step = step
-
-        def replay(self):
-            replays.append(1)
-            self.step()
-
-    def capture(cfm_, x, t, dt, branches, streaming, first=False):
-        t_in, dt_in = t.clone(), dt.clone()
-        return flow_module._StepGraph(EagerGraph(lambda: cfm_._step(x, t_in, dt_in, branches, streaming)), t_in, dt_in)
+    capture = _eager_graph_capture(replays, [])
 
     with torch.inference_mode():
         eager = cfm(mu, mask, spks, cond)
@@ -736,19 +745,7 @@ def test_cached_step_graphs_plumbing_on_cpu(flow: CausalFlow, monkeypatch) -> No
     gets a graph of its own, and the cache keeps GRAPH_CACHE_SIZE graphs."""
     cfm = flow.decoder
     replays, captures = [], []
-
-    class EagerGraph:
-        def __init__(self, step):
-            self.step = step
-
-        def replay(self):
-            replays.append(1)
-            self.step()
-
-    def capture(cfm_, x, t, dt, branches, streaming, first=False, keep=True):
-        captures.append(tuple(x.shape))
-        t_in, dt_in = t.clone(), dt.clone()
-        return flow_module._StepGraph(EagerGraph(lambda: cfm_._step(x, t_in, dt_in, branches, streaming)), t_in, dt_in)
+    capture = _eager_graph_capture(replays, captures)
 
     slot = {"cache": flow_module.OrderedDict()}
     batches = [_estimator_inputs([40, 33, 7], seed=1), _estimator_inputs([35, 38, 20], seed=2), _estimator_inputs([70, 9], seed=3)]
