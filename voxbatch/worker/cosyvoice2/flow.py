@@ -54,7 +54,8 @@ log = logging.getLogger(__name__)
 # same inputs: the mel is the eager one's (GPU test). Any capture failure is logged once and the flow
 # stays eager from then on. Engine on the H200: 312.7x (312.7, 318.3) with vs 306.9x (306.9, 313.1)
 # without, runs in A B B A order (bench/results/gpu_h200_worker12.json): ahead in both pairs, by less
-# than the run-to-run spread.
+# than the run-to-run spread. (Later measurements read that 1-row batch's 1.27 s as mostly the GPU's
+# backpressure beside a big batch, not its Python: see STEP_GRAPH_CACHE.)
 EULER_STEP_GRAPHS = True  # bench switch `graphs`
 _graphs_failed = False
 # Once a vocoder thread has run a batch (its cuBLAS/cuDNN handles and workspaces exist), later batches
