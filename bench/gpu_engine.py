@@ -414,6 +414,7 @@ SWITCHES = {
     "source": ("voxbatch.worker.cosyvoice2.hift", "BATCHED_SOURCE", lambda v: v in ("1", "true")),
     "draws": ("voxbatch.worker.cosyvoice2.hift", "IN_PLACE_DRAWS", lambda v: v in ("1", "true")),
     "gather": ("voxbatch.worker.cosyvoice2.engine", "GATHER_TO_HIFT", lambda v: v in ("1", "true")),
+    "hift_dtype": ("voxbatch.worker.cosyvoice2.engine", "HIFT_GPU_DTYPE", lambda v: {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[v]),
     "epilogue": ("voxbatch.worker.cosyvoice2.hift", "FUSED_CONV_EPILOGUE", lambda v: v in ("1", "true")),
     "fa3": ("voxbatch.worker.cosyvoice2.flash_varlen", "FA3", lambda v: v in ("1", "true")),
     "fa3_splits": ("voxbatch.worker.cosyvoice2.flash_varlen", "FA3_SPLITS", int),

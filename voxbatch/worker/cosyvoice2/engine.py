@@ -79,7 +79,15 @@ class Placement:
             return gpu_dtype if torch.device(device).type == "cuda" else torch.float32
 
         llm_gpu_dtype = torch.float32 if settings.llm_dtype == "float32" else torch.bfloat16
-        return cls(llm, flow, hift, pick(llm, llm_gpu_dtype), pick(flow, torch.float16), torch.float32)
+        return cls(llm, flow, hift, pick(llm, llm_gpu_dtype), pick(flow, torch.float16), pick(hift, HIFT_GPU_DTYPE))
+
+
+# HiFT's generator dtype on a GPU (its F0 predictor and source stay fp32 whatever this is: hift.py).
+# fp32 is what ships: the half-precision generators are tested to run and to stay near it on the tiny
+# fixture (tests/test_cosyvoice2_hift.py::test_gpu: relative RMS < 0.05 in fp16, < 0.2 in bf16), but
+# their audio has not been judged against real weights. Bench switch `hift_dtype` (float16/bfloat16)
+# measures their speed.
+HIFT_GPU_DTYPE = torch.float32
 
 
 # The rows `llm_rows` picks when Settings.engine_max_batch is unset.
