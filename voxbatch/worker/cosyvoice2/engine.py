@@ -86,7 +86,7 @@ class Placement:
 # fp32 is what ships: the half-precision generators are tested to run and to stay near it on the tiny
 # fixture (tests/test_cosyvoice2_hift.py::test_gpu: relative RMS < 0.05 in fp16, < 0.2 in bf16), but
 # their audio has not been judged against real weights. fp16 measured faster: engine 331.5x (335.6,
-# 331.5) vs 297.4x (297.4, 322.6) in fp32, A B B A, ahead in both pairs by 4% and 11%
+# 331.5) vs 297.4x (297.4, 322.6) in fp32, A B B A, ahead in both pairs by 3% and 13%
 # (bench/results/gpu_h200_hift16.json). Not changed until its audio is. Bench switch `hift_dtype`.
 HIFT_GPU_DTYPE = torch.float32
 
