@@ -770,6 +770,31 @@ def test_cached_step_graphs_plumbing_on_cpu(flow: CausalFlow, monkeypatch) -> No
         assert float((got - want)[valid].abs().max()) <= BATCH_TOL
 
 
+def test_cached_step_graph_of_another_module_is_not_replayed(flow: CausalFlow, monkeypatch) -> None:
+    """A cached graph is keyed by its module's id, which a later module may get once the first is
+    freed: an entry whose module is not the caller is dropped and the step captured anew (replaying it
+    would read the freed module's weights)."""
+    cfm = flow.decoder
+    replays, captures = [], []
+    capture = _eager_graph_capture(replays, captures)
+    slot = {"cache": flow_module.OrderedDict()}
+    _, mask, mu, _, spks, cond = _estimator_inputs([40, 33, 7], seed=1)
+    with torch.inference_mode():
+        want = cfm(mu, mask, spks, cond)
+        monkeypatch.setattr(flow_module, "_capturable", lambda x: True)
+        monkeypatch.setattr(flow_module._StepGraph, "capture", staticmethod(capture))
+        monkeypatch.setattr(flow_module, "_slot", lambda device: slot)
+        monkeypatch.setattr(flow_module, "STEP_GRAPH_CACHE", True)
+        cfm(mu, mask, spks, cond)
+        (key,) = slot["cache"]
+        stranger = flow_module.ConditionalFlowMatching(cfm.estimator.dims, cfm.cfg_rate)
+        slot["cache"][key].cfm = lambda: stranger  # as if the id now named another module
+        got = cfm(mu, mask, spks, cond)
+    assert len(captures) == 2 and slot["cache"][key].cfm() is cfm
+    valid = mask.bool().expand(-1, 80, -1)
+    assert float((got - want)[valid].abs().max()) <= BATCH_TOL
+
+
 @pytest.mark.gpu
 def test_cached_step_graphs_equal_eager_on_gpu(model_dir: Path, monkeypatch) -> None:
     """On a vocoder thread's stream, a cached graph replayed for a second batch of the same padded shape

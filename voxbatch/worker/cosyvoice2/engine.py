@@ -39,7 +39,7 @@ from voxbatch.reuse import VOICE_TTL_S
 from voxbatch.settings import Settings
 from voxbatch.voice import VoiceProfile
 from voxbatch.worker import timeline
-from voxbatch.worker.cosyvoice2.flow import CausalFlow
+from voxbatch.worker.cosyvoice2.flow import CausalFlow, MelBatch
 from voxbatch.worker.cosyvoice2.forced_lengths import forced_speech_tokens
 from voxbatch.worker.cosyvoice2.h2d import to_device
 from voxbatch.worker.cosyvoice2.hift import HiFTGenerator
@@ -208,34 +208,6 @@ def _voice_batch(voices: list[PreparedVoice]) -> tuple[torch.Tensor, torch.Tenso
     pad = torch.nn.utils.rnn.pad_sequence
     return (pad([v.flow_tokens for v in voices], batch_first=True), pad([v.prompt_mel for v in voices], batch_first=True),
             torch.stack([v.embedding for v in voices]))
-
-
-@dataclass(frozen=True)
-class MelBatch:
-    """One flow batch's mels where the flow left them: `mel` (B, 80, T) fp32, prompt frames first;
-    row i's output is mel[i, :, starts[i]:ends[i]]."""
-
-    mel: torch.Tensor
-    starts: list[int]
-    ends: list[int]
-
-    def rows(self) -> list[torch.Tensor]:
-        """B mels (80, T_mel_i), views of the batch."""
-        return [self.mel[i, :, a:b] for i, (a, b) in enumerate(zip(self.starts, self.ends))]
-
-    def left_aligned(self, quantum: int, device: torch.device) -> tuple[torch.Tensor, list[int]]:
-        """Each row's output moved to frame 0, zeros after, width rounded up to `quantum` frames:
-        (B, 80, W) on `device` and the lengths. The same values as `_pad` of `rows()`, in one gather
-        instead of a slice and a copy per row."""
-        lens = [b - a for a, b in zip(self.starts, self.ends)]
-        width = -(-max(lens, default=0) // quantum) * quantum
-        B, C, T = self.mel.shape
-        dev = self.mel.device
-        frames = torch.arange(width, device=dev)[None, :]  # (1, W)
-        src = (to_device(self.starts, torch.long, dev)[:, None] + frames).clamp(max=max(T - 1, 0))  # (B, W)
-        valid = frames < to_device(lens, torch.long, dev)[:, None]  # (B, W)
-        out = torch.where(valid[:, None, :], self.mel.gather(2, src[:, None, :].expand(B, C, width)), 0.0)
-        return out.to(device), lens
 
 
 def time_scale(mel: torch.Tensor, speed: float) -> torch.Tensor:
@@ -556,9 +528,8 @@ class CosyVoice2Engine(Engine):
         pm_lens = [v.prompt_mel.shape[0] for v in voices]
         prompt_tok, prompt_mel, embedding = _voice_batch(voices)  # (B, T_p), (B, T_pm, 80), (B, 192)
         with torch.inference_mode():  # lengths as host lists: the flow call waits on nothing queued on the GPU
-            mel, starts, ends = self.flow.inference_batch(to_device(tok, torch.long, flow_dev), tok_lens, prompt_tok, p_lens,
-                                                          prompt_mel, pm_lens, embedding)
-        return MelBatch(mel, starts, ends)
+            return self.flow.inference_batch(to_device(tok, torch.long, flow_dev), tok_lens, prompt_tok, p_lens,
+                                             prompt_mel, pm_lens, embedding)
 
     def waves(self, mels: list[torch.Tensor], speeds: list[float], seeds: list[int],
               queued: Callable[[], None] | None = None) -> list[np.ndarray]:

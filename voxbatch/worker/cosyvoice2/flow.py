@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -40,7 +41,7 @@ from voxbatch.worker.cosyvoice2 import cuda_graphs
 from voxbatch.worker.cosyvoice2.checkpoint import ModelDirError, check_keys, empty_init, load_state_dict, read_config, section
 from voxbatch.worker.cosyvoice2.flow_encoder import EncoderDims, UpsampleConformerEncoder, length_mask
 from voxbatch.worker.cosyvoice2.flow_estimator import CausalConditionalDecoder, EstimatorDims
-from voxbatch.worker.cosyvoice2.h2d import split_lengths
+from voxbatch.worker.cosyvoice2.h2d import split_lengths, to_device
 
 log = logging.getLogger(__name__)
 
@@ -272,7 +273,8 @@ class _StepGraph:
 class _CachedStep:
     """A step graph kept for its batch shape (STEP_GRAPH_CACHE), over input buffers of its own."""
 
-    def __init__(self, graph: _StepGraph, x: torch.Tensor, branches: tuple[torch.Tensor, ...]):
+    def __init__(self, cfm: ConditionalFlowMatching, graph: _StepGraph, x: torch.Tensor, branches: tuple[torch.Tensor, ...]):
+        self.cfm = weakref.ref(cfm)  # the key holds id(cfm), which a later module may get once this one is freed
         self.graph, self.x, self.branches = graph, x, branches
 
     @classmethod
@@ -283,6 +285,9 @@ class _CachedStep:
         slot = _slot(x0.device)
         key = (id(cfm), tuple(x0.shape), *(tuple(b.shape) + (b.dtype,) for b in branches))
         entry = slot["cache"].get(key)
+        if entry is not None and entry.cfm() is not cfm:  # a freed module's graph (its weights are gone)
+            del slot["cache"][key]
+            entry = None
         if entry is None:
             x, own = x0.clone(), tuple(b.clone() for b in branches)
             cfm._step(x, times[0], steps[0], own, False)  # builds lazy kernels, plans and workspaces first
@@ -291,7 +296,7 @@ class _CachedStep:
                 for k in range(1, len(times)):
                     cfm._step(x, times[k], steps[k], own, False)
                 return x
-            entry = cls(graph, x, own)
+            entry = cls(cfm, graph, x, own)
             slot["cache"][key] = entry
             while len(slot["cache"]) > GRAPH_CACHE_SIZE:
                 slot["cache"].popitem(last=False)
@@ -359,32 +364,9 @@ class CausalFlow(nn.Module):
 
     # -- inference ------------------------------------------------------------------------------
 
-    @torch.inference_mode()
-    def inference(
-        self,
-        tokens: torch.Tensor,
-        token_lens: torch.Tensor | Sequence[int],
-        prompt_tokens: torch.Tensor,
-        prompt_lens: torch.Tensor | Sequence[int],
-        prompt_feat: torch.Tensor,
-        prompt_feat_lens: torch.Tensor | Sequence[int],
-        embedding: torch.Tensor,
-        streaming: bool = False,
-        finalize: bool = True,
-    ) -> list[torch.Tensor]:
-        """B segments -> B mels (80, T_mel_i) fp32, prompt frames removed.
-
-        tokens (B, T_tok), prompt_tokens (B, T_p), prompt_feat (B, T_pm, 80): padded, with lengths
-        (B,) each; embedding (B, 192). `finalize=False` is one non-final streaming call: the last
-        `pre_lookahead_len` tokens of each row are look-ahead context and produce no frames.
-
-        Lengths given as host lists (the engine's way) keep the call free of host syncs: the widths,
-        checks and the final per-row slices need them on the host, and reading them back from the
-        device waits for everything queued before (at the end, the whole decoder).
-        """
-        mel, starts, ends = self.inference_batch(tokens, token_lens, prompt_tokens, prompt_lens, prompt_feat,
-                                                 prompt_feat_lens, embedding, streaming, finalize)
-        return [mel[i, :, starts[i] : ends[i]] for i in range(mel.shape[0])]
+    def inference(self, *args, **kwargs) -> list[torch.Tensor]:
+        """B segments -> B mels (80, T_mel_i) fp32, prompt frames removed: `inference_batch`'s rows."""
+        return self.inference_batch(*args, **kwargs).rows()
 
     @torch.inference_mode()
     def inference_batch(
@@ -398,9 +380,17 @@ class CausalFlow(nn.Module):
         embedding: torch.Tensor,
         streaming: bool = False,
         finalize: bool = True,
-    ) -> tuple[torch.Tensor, list[int], list[int]]:
-        """`inference` without the per-row slices: the padded mel (B, 80, T_mel) fp32, prompt frames
-        included, and each row's output frames as host lists: row i is mel[i, :, starts[i]:ends[i]]."""
+    ) -> MelBatch:
+        """B segments -> their mels as one padded batch (MelBatch: fp32, prompt frames still in it).
+
+        tokens (B, T_tok), prompt_tokens (B, T_p), prompt_feat (B, T_pm, 80): padded, with lengths
+        (B,) each; embedding (B, 192). `finalize=False` is one non-final streaming call: the last
+        `pre_lookahead_len` tokens of each row are look-ahead context and produce no frames.
+
+        Lengths given as host lists (the engine's way) keep the call free of host syncs: the widths,
+        checks and each row's frames need them on the host, and reading them back from the device
+        waits for everything queued before (at the end, the whole decoder).
+        """
         device = self.encoder_proj.weight.device
         B = tokens.shape[0]
         tokens, prompt_tokens = tokens.to(device).long(), prompt_tokens.to(device).long()
@@ -424,7 +414,35 @@ class CausalFlow(nn.Module):
         mask = frame_ok[:, None].to(self.dtype)  # (B, 1, T)
 
         mel = self.decoder(mu, mask, self.speaker(embedding.to(device)), cond, streaming=streaming)
-        return mel, pf_host, mel_host
+        return MelBatch(mel, pf_host, mel_host)
+
+
+@dataclass(frozen=True)
+class MelBatch:
+    """One flow batch's mels where the flow left them: `mel` (B, 80, T) fp32, prompt frames first;
+    row i's output is mel[i, :, starts[i]:ends[i]]."""
+
+    mel: torch.Tensor
+    starts: list[int]
+    ends: list[int]
+
+    def rows(self) -> list[torch.Tensor]:
+        """B mels (80, T_mel_i), views of the batch."""
+        return [self.mel[i, :, a:b] for i, (a, b) in enumerate(zip(self.starts, self.ends))]
+
+    def left_aligned(self, quantum: int, device: torch.device) -> tuple[torch.Tensor, list[int]]:
+        """Each row's output moved to frame 0, zeros after, width rounded up to `quantum` frames:
+        (B, 80, W) on `device` and the lengths. The same values as padding `rows()` one by one, in
+        one gather instead of a slice and a copy per row."""
+        lens = [b - a for a, b in zip(self.starts, self.ends)]
+        width = -(-max(lens, default=0) // quantum) * quantum
+        B, C, T = self.mel.shape
+        starts, n = to_device([self.starts, lens], torch.long, self.mel.device)  # (B,) each, one copy
+        frames = torch.arange(width, device=self.mel.device)[None, :]  # (1, W)
+        src = (starts[:, None] + frames).clamp(max=max(T - 1, 0))  # (B, W)
+        valid = frames < n[:, None]  # (B, W)
+        out = torch.where(valid[:, None, :], self.mel.gather(2, src[:, None, :].expand(B, C, width)), 0.0)
+        return out.to(device), lens
 
 
 def _concat_padded(
