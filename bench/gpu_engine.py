@@ -414,6 +414,7 @@ SWITCHES = {
     "source": ("voxbatch.worker.cosyvoice2.hift", "BATCHED_SOURCE", lambda v: v in ("1", "true")),
     "draws": ("voxbatch.worker.cosyvoice2.hift", "IN_PLACE_DRAWS", lambda v: v in ("1", "true")),
     "gather": ("voxbatch.worker.cosyvoice2.engine", "GATHER_TO_HIFT", lambda v: v in ("1", "true")),
+    "prepare": ("voxbatch.worker.cosyvoice2.engine", "PREPARE_AT_ENQUEUE", lambda v: v in ("1", "true")),
     "hift_dtype": ("voxbatch.worker.cosyvoice2.engine", "HIFT_GPU_DTYPE", lambda v: {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[v]),
     "epilogue": ("voxbatch.worker.cosyvoice2.hift", "FUSED_CONV_EPILOGUE", lambda v: v in ("1", "true")),
     "fa3": ("voxbatch.worker.cosyvoice2.flash_varlen", "FA3", lambda v: v in ("1", "true")),
@@ -496,6 +497,7 @@ def run_pipeline(engine: Engine, texts: list[str], storage_root: Path, settings:
     from voxbatch.models import RenderTask, SynthesisParams, TaskSegment, segment_id
     from voxbatch.storage import LocalStorage
     from voxbatch.worker.budget import inflight_segments, task_threads
+    from voxbatch.worker import timeline
     from voxbatch.worker.pipeline import Pipeline
 
     fmt = settings.output_format
@@ -511,12 +513,13 @@ def run_pipeline(engine: Engine, texts: list[str], storage_root: Path, settings:
     pipe = Pipeline(engine, LocalStorage(storage_root), jobs, settings, on_job_complete=lambda _j: None, metrics=metrics).start()
     rows = engine.max_batch  # engine_max_batch, or what the engine picked
     try:
-        with GpuUtilisation() as util:
-            t0 = time.perf_counter()
+        with GpuUtilisation() as util, timeline.recording() as lines:
+            t0, started = time.perf_counter(), time.time()
             threads = feed_like_a_worker(pipe, tasks, settings, rows)  # as `voxbatch render` and a worker's threads
             for t in threads:
                 t.join(max(0.0, t0 + timeout_s - time.perf_counter()))
             wall = time.perf_counter() - t0
+        events = timeline.summary(timeline.read(lines, started, started + wall))
         if any(t.is_alive() for t in threads):
             raise TimeoutError(f"pipeline: segments still unfinished after {timeout_s} s")
     finally:
@@ -541,6 +544,7 @@ def run_pipeline(engine: Engine, texts: list[str], storage_root: Path, settings:
         "job_state": getattr(status, "state", None),
         "gpu_utilisation": busy,
         "gpu_busy_pct": busy_pct(busy),
+        "timeline": events,
     }
 
 
@@ -953,7 +957,7 @@ class Bench:
                     r["position"] = sum(len(v) for v in repeats.values())  # 0-based place in this stage's run order
                     repeats.setdefault(spec, []).append(r)
                     print(f"  engine {spec}: {r['x_realtime']:.1f}x realtime, wall {r['wall_s']}s, GPU busy {r['gpu_busy_pct']}%, "
-                          f"stored {r['stored']}, failed {r['failed']}", flush=True)
+                          f"stored {r['stored']}, failed {r['failed']}, LLM thread admitting {r['timeline']['llm_admit_ms_total']} ms", flush=True)
                     if r["failed"]:
                         raise RuntimeError(f"engine run {spec}: {r['failed']} segments failed")
                 finally:

@@ -314,3 +314,37 @@ def test_vocoder_threads_follow_the_engine_setting(tiny_model_dir, storage_dir):
     unset = CosyVoice2Engine.from_settings(settings.model_copy(update={"engine_vocoder_threads": None}))
     assert unset.vocoder_threads is None
     assert len(streaming._Vocoder(SimpleNamespace(engine=unset)).threads) == streaming.CPU_VOCODER_THREADS
+
+
+def test_prepared_requests_take_their_input_from_prepare_and_sound_the_same(engine, monkeypatch):
+    """`prepare` (on the task's thread) composes the LLM input the LLM thread would: `item` takes it
+    as made while the voice is the one the cache holds, makes it again for a voice re-created
+    meanwhile, and a request that cannot be prepared goes in as it came (its error is reported when
+    the engine takes it). Served prepared, every segment sounds as it does alone."""
+    from voxbatch.worker.cosyvoice2 import engine as engine_module
+
+    batch = mixed(engine, 6)
+    prepared = [engine.prepare(r) for r in batch]
+    assert all(p.prepared is not None and r.prepared is None for p, r in zip(prepared, batch))
+    for p, r in zip(prepared, batch):
+        item = engine.item(p)
+        assert item.llm is p.prepared.llm  # taken as made, not composed again
+        assert item.llm == engine.llm_request(r, engine.voices.get(r.voice))
+    engine.voices._voices.clear()  # the voice is loaded again: a new profile object under the same name
+    again = engine.item(prepared[0])
+    assert again.llm is not prepared[0].prepared.llm and again.llm == prepared[0].prepared.llm
+    bad = SynthesisRequest("bad", TEXTS[0], "nobody", 1, SynthesisParams(max_tokens=4))
+    assert engine.prepare(bad) is bad
+    monkeypatch.setattr(engine_module, "PREPARE_AT_ENQUEUE", False)
+    assert engine.prepare(batch[0]) is batch[0]
+    monkeypatch.undo()
+
+    rec = Recorder()
+    t, _ = serve(engine, prepared + [engine.prepare(bad)], rec)
+    t.join(120)
+    assert not t.is_alive()
+    assert rec.results["bad"].audio is None and "nobody" in rec.results["bad"].error
+    for r in batch:
+        res = rec.results[r.segment_id]
+        assert res.error is None, res.error
+        np.testing.assert_allclose(res.audio, alone(engine, r), rtol=0, atol=BATCH_ATOL, err_msg=r.text)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 import time
 
 import pytest
@@ -234,3 +235,35 @@ def test_a_pipeline_thread_that_dies_ends_the_process(tmp_path):
     pipeline.start()
     assert died.wait(10) and names == ["engine"]
     pipeline.stop(1)
+
+
+class PreparingEngine(ToneEngine):
+    """A tone engine that records where `prepare` ran and what it saw prepared when it rendered."""
+
+    def __init__(self):
+        super().__init__(max_batch=8)
+        self.prepared_on: set[str] = set()
+        self.rendered_prepared: list[object] = []
+
+    def prepare(self, request):
+        self.prepared_on.add(threading.current_thread().name)
+        return replace(request, prepared=("made ahead", request.segment_id))
+
+    def synthesize(self, batch):
+        self.rendered_prepared += [r.prepared for r in batch]
+        yield from super().synthesize(batch)
+
+
+def test_segments_are_prepared_on_the_submitting_thread_not_the_engines(tmp_path):
+    """Engine.prepare runs where the task queues its segments (a Celery task's thread), so the engine
+    thread takes work that is ready; every segment reaches the engine prepared, retries included."""
+    spec = make_job(10)
+    bad = Segment(chapter=0, index=10, text=f"broken {FAIL_MARKER}")
+    spec = spec.model_copy(update={"segments": [*spec.segments, bad]})
+    engine = PreparingEngine()
+    _, jobs, _ = run(spec, LocalStorage(tmp_path), Settings(batch_size=4, max_attempts=2, retry_backoff_ms=10), engine=engine)
+    assert jobs.status("job1").done == 10 and jobs.status("job1").failed == 1
+    assert "engine" not in engine.prepared_on and threading.current_thread().name in engine.prepared_on
+    ids = [seg.id for seg in spec.segments]
+    assert set(engine.rendered_prepared) == {("made ahead", i) for i in ids}  # nothing reached it unprepared
+    assert engine.rendered_prepared.count(("made ahead", bad.id)) >= 2  # its retry was prepared again

@@ -105,3 +105,19 @@ def test_vocoder_host_share_sums_queueing_over_wall_time():
     events = [(0.1, "vocode_host_ms", 30), (0.4, "vocode_ms", 300), (0.5, "vocode_host_ms", 90), (0.6, "vocode_ms", 100)]
     assert timeline.summary(events)["vocode_host_share_pct"] == 30.0
     assert timeline.summary([])["vocode_host_share_pct"] is None and timeline.summary([])["gil_wait_us_mean"] is None
+
+
+def test_llm_thread_host_time_is_summed_and_recorded_in_process():
+    """`recording` hands back the lines of the events sent while it runs (no probe thread, off after),
+    and the summary sums the LLM thread's admit and place times over the window."""
+    timeline.configure(False)
+    with timeline.recording() as lines:
+        timeline.event("llm_admit_ms", 12)
+        timeline.event("llm_place_ms", 5)
+        timeline.event("llm_admit_ms", 30)
+    timeline.event("llm_admit_ms", 999)  # after the block: not recorded, not logged
+    assert len(lines) == 3 and not timeline.log.isEnabledFor(logging.INFO)
+    t0 = float(lines[0].rsplit(" ", 1)[1])
+    s = timeline.summary(timeline.read(lines, t0, t0 + 60))
+    assert s["llm_admit_ms_total"] == 42 and s["llm_place_ms_total"] == 5
+    assert timeline.summary([])["llm_admit_ms_total"] == 0

@@ -33,6 +33,9 @@ class SynthesisRequest:
     params: SynthesisParams = field(default_factory=SynthesisParams)
     tag: object = None
     solo: bool = False  # render in a batch of its own (a suspect: its last attempt died with its worker)
+    # What `Engine.prepare` made of it before it entered the intake (engine-private; never from a
+    # message). None: the engine makes it when it takes the request.
+    prepared: object = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,17 @@ class Engine(ABC):
         """What, besides the request, determines this engine's audio (model files, numerics): part of
         every cached segment's content hash (voxbatch/reuse.py), so audio is never reused across models."""
         return self.name
+
+    def prepare(self, request: SynthesisRequest) -> SynthesisRequest:
+        """The request with whatever the engine can make of it ahead of time (`prepared`), called on
+        the thread that queues it (a Celery task's), not the engine's.
+
+        The engine's own thread is the one that keeps the GPU fed: host work it does for a request
+        (tokenizing, composing the model input) is time the GPU waits at the start of a job, when
+        hundreds of requests arrive at once. Whatever is made here must be made again by the engine
+        if it no longer holds (a voice re-created meanwhile), and a failure here is no failure: the
+        engine meets it again and reports it then. Nothing by default."""
+        return request
 
     def warmup(self) -> None:
         """Run a small batch so kernels, graphs and caches are ready before the first task."""

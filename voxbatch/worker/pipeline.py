@@ -333,7 +333,8 @@ class Pipeline:
             handle.abandon()  # shutting down: not worth starting, the redelivery renders it
             return
         tag = _Tag(handle, seg, outage_since=outage_since)
-        self.intake.put(SynthesisRequest(seg.id, seg.text, task.voice, seg.seed, task.params, tag=tag))
+        # Prepared here, on the task's thread: the engine thread only takes it (Engine.prepare).
+        self.intake.put(self.engine.prepare(SynthesisRequest(seg.id, seg.text, task.voice, seg.seed, task.params, tag=tag)))
 
     def _admit(self, batch: list[SynthesisRequest]) -> list[SynthesisRequest]:
         """Count an attempt for each segment the engine is about to render (engine thread).

@@ -20,22 +20,29 @@ free, the sleep's own overshoot on the H200 hosts; up to the switch interval tim
 want it when it is not). `vocode_host_ms <ms>` is how
 long a flow/HiFT batch took to queue all its GPU work (the host's part, GIL waits included) and
 `vocode_ms <ms>` its whole wall time: a batch whose host part is most of its wall time kept its
-stream short of work.
+stream short of work. `llm_admit_ms` and `llm_place_ms` are the LLM thread's host time to take
+segments in and to place them in cache rows (LLM_HOST_EVENTS).
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import re
 import threading
 import time
+from collections.abc import Iterator
 
 log = logging.getLogger("voxbatch.timeline")
 log.setLevel(logging.WARNING)  # off until `configure(True)`
 LINE = re.compile(r"timeline (\w+) (\d+) ([0-9.]+)$")
 EVENTS = ("admit", "llm_session", "llm_refill", "vocode_start", "vocode_end")
 GC_EVENTS = ("gc1", "gc2")  # count = the pause in milliseconds
+# The LLM thread's host time (count = milliseconds) to take segments in (the pipeline's attempt count
+# and the engine's item for each) and to place them in cache rows (checks and prefill launches): no
+# decode step is launched meanwhile, so at a job's start these are GPU time lost.
+LLM_HOST_EVENTS = ("llm_admit_ms", "llm_place_ms")
 GC1_MIN_MS = 2.0
 GIL_PROBE_S = 0.005  # the probe's sleep (200 wake-ups a second)
 GIL_WINDOW_S = 0.1  # one `gil` event per this long
@@ -81,6 +88,26 @@ def configure(enabled: bool) -> None:
         _probe.start()
 
 
+@contextlib.contextmanager
+def recording() -> Iterator[list[str]]:
+    """This process's timeline lines while the block runs, as `read` takes them (the engine stage of
+    the benchmark, which runs the engine in its own process). Events only: no GIL probe, no gc hook."""
+    lines: list[str] = []
+
+    class _Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    handler, level = _Keep(), log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        yield lines
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+
+
 def event(name: str, count: int = 0) -> None:
     if log.isEnabledFor(logging.INFO):
         log.info("timeline %s %d %.6f", name, count, time.time())
@@ -112,4 +139,5 @@ def summary(events: list[tuple[float, str, int]]) -> dict[str, float | int | Non
             "gil_wait_us_mean": round(sum(gil) / len(gil)) if gil else None,
             "gil_wait_us_p90": gil[int(0.9 * (len(gil) - 1))] if gil else None,
             "gil_wait_us_max": gil[-1] if gil else None,
-            "vocode_host_share_pct": round(100 * host / wall, 1) if wall else None}
+            "vocode_host_share_pct": round(100 * host / wall, 1) if wall else None,
+            **{f"{name}_total": sum(n for _, e, n in events if e == name) for name in LLM_HOST_EVENTS}}

@@ -27,7 +27,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -128,6 +128,13 @@ HIFT_FRAME_QUANTUM = 32
 # hift.IN_PLACE_DRAWS (see there): no difference beyond the noise, kept for costing nothing. Bench switch `gather`.
 GATHER_TO_HIFT = True
 
+# Segments are tokenized and their LLM input composed as they enter the intake, on the Celery task's
+# thread (`CosyVoice2Engine.prepare`), not when the LLM thread takes them: on the H200 the LLM thread
+# took 0.16 s to admit a job's first 48 segments and 0.21 s for the next 208, with no decode step
+# launched meanwhile (bench/results/gpu_h200_worker19_worker.log), and py-spy found the tokenizer in
+# 8-10% of its samples at a job's start (bench/results/diagnostics/). Bench switch `prepare`.
+PREPARE_AT_ENQUEUE = True
+
 FLOW_ROWS_MAX = 128  # the fastest flow + HiFT batch measured on an H200 (128 over 64: bench/results/h200_probe1.json)
 
 
@@ -175,6 +182,14 @@ class VoiceCache:
             while len(self._voices) > self._size:
                 self._voices.popitem(last=False)
         return voice
+
+
+@dataclass(frozen=True, eq=False)
+class _Prepared:
+    """`CosyVoice2Engine.prepare`'s work, kept on the request: the LLM input as composed for `voice`."""
+
+    voice: PreparedVoice
+    llm: LlmRequest
 
 
 @dataclass
@@ -462,10 +477,27 @@ class CosyVoice2Engine(Engine):
         batching and flow/HiFT threads on their own CUDA streams; the Pipeline contract of `Engine.serve`."""
         StreamingScheduler(self, intake, emit, stop, observe, admit).run()
 
+    def prepare(self, request: SynthesisRequest) -> SynthesisRequest:
+        """The request with its LLM input composed (`Engine.prepare`: on the task's thread, so the LLM
+        thread only takes it). A request that cannot be prepared goes in as it is: the LLM thread
+        meets the same error in `item` and fails that segment there, attempt counted, as before."""
+        if not PREPARE_AT_ENQUEUE:
+            return request
+        try:
+            voice = self.voices.get(request.voice)
+            prepared = _Prepared(voice, self.llm_request(request, voice))
+        except Exception:  # noqa: BLE001 - reported by `item` on the LLM thread, where it counts
+            return request
+        return replace(request, prepared=prepared)
+
     def item(self, request: SynthesisRequest) -> _Item:
         """A request made ready for the LLM (voice prepared, input composed); raises LookupError or
-        ValueError for a missing/bad voice or text, which fails that segment only."""
+        ValueError for a missing/bad voice or text, which fails that segment only. What `prepare`
+        made is used while its voice is still the one the cache holds under that name."""
         voice = self.voices.get(request.voice)
+        prepared = request.prepared
+        if isinstance(prepared, _Prepared) and prepared.voice is voice:
+            return _Item(request, voice, prepared.llm)
         return _Item(request, voice, self.llm_request(request, voice))
 
     def synthesize(self, batch: list[SynthesisRequest]) -> Iterator[SynthesisResult]:

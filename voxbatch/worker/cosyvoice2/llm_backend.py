@@ -37,6 +37,13 @@ class LlmResult:
     tokens: list[int]  # speech tokens, stop token excluded
 
 
+def out_of_range(ids: list[int], n: int) -> bool:
+    """Whether any id falls outside [0, n). The builtins' C loops: a request's ~200 prompt speech
+    tokens checked id by id in a Python generator took 10-12% of the LLM thread at a job's start on
+    the H200 (bench/results/diagnostics/gpu_h200_pyspy_start1_*), where every request is checked."""
+    return bool(ids) and (min(ids) < 0 or max(ids) >= n)
+
+
 class Feed(Protocol):
     """Where a streaming backend takes work from (the engine's intake, already tokenized).
 

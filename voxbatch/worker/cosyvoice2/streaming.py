@@ -183,6 +183,14 @@ class _Feed:
 
     def _admit(self, batch: list[SynthesisRequest]) -> list:
         s = self.s
+        began = time.perf_counter()
+        try:
+            return self._admitted(batch)
+        finally:  # the LLM thread's host time for this admission: no decode step is launched meanwhile
+            timeline.event("llm_admit_ms", round(1000 * (time.perf_counter() - began)))
+
+    def _admitted(self, batch: list[SynthesisRequest]) -> list:
+        s = self.s
         if s.admit is not None:
             batch = s.admit(batch)
         out = []

@@ -28,6 +28,7 @@ scheduler thread).
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -38,7 +39,7 @@ import torch
 from voxbatch.worker import timeline
 from voxbatch.worker.cosyvoice2.h2d import to_device
 from voxbatch.worker.cosyvoice2.llm import CosyVoice2LM, FlashUnavailable
-from voxbatch.worker.cosyvoice2.llm_backend import Feed, ListFeed, LlmBackend, LlmRequest, LlmResult
+from voxbatch.worker.cosyvoice2.llm_backend import Feed, ListFeed, LlmBackend, LlmRequest, LlmResult, out_of_range
 from voxbatch.worker.cosyvoice2.sampling import BatchSampler, RasConfig
 
 MAX_SEQ = 4096  # positions of the KV cache: prompt + max_tokens of a request must fit
@@ -292,8 +293,8 @@ class TorchLlmBackend(LlmBackend):
             raise ValueError(f"request {index}: prompt ({prompt_len}) + max_tokens ({r.max_tokens}) exceeds max_seq {self.max_seq}")
         if r.win_size > self.window:
             raise ValueError(f"request {index}: win_size {r.win_size} above the backend's window {self.window}")
-        bad = [t for t in r.prompt_speech_tokens if not 0 <= t < self.model.dims.speech_token_size]
-        if bad or any(not 0 <= t < self.model.dims.vocab_size for t in r.text_tokens):
+        d = self.model.dims
+        if out_of_range(r.prompt_speech_tokens, d.speech_token_size) or out_of_range(r.text_tokens, d.vocab_size):
             raise ValueError(f"request {index}: token id out of range")
 
     def generate(self, requests: list[LlmRequest]) -> Iterator[LlmResult]:
@@ -324,6 +325,7 @@ class TorchLlmBackend(LlmBackend):
         s = 0
 
         def place(batch: list[tuple[object, LlmRequest]]) -> None:
+            began = time.perf_counter()
             for i, (_, r) in enumerate(batch):
                 self._check(i, r)
             slots = [b for b in range(state.rows) if b not in owner][: len(batch)]
@@ -333,6 +335,7 @@ class TorchLlmBackend(LlmBackend):
                 offset[b] = len(r.text_tokens) + len(r.prompt_speech_tokens) + 2 - s
                 placed[b] = s
                 ends.add(s + r.max_tokens)
+            timeline.event("llm_place_ms", round(1000 * (time.perf_counter() - began)))  # checks + prefill launches
 
         place(first)
         timeline.event("llm_session", len(first))

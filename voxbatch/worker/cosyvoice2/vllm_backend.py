@@ -35,7 +35,7 @@ import torch
 
 from voxbatch.worker.cosyvoice2.checkpoint import load_state_dict
 from voxbatch.worker.cosyvoice2.llm import SOS, TASK_ID, LlmDims
-from voxbatch.worker.cosyvoice2.llm_backend import LlmBackend, LlmRequest, LlmResult
+from voxbatch.worker.cosyvoice2.llm_backend import LlmBackend, LlmRequest, LlmResult, out_of_range
 from voxbatch.worker.cosyvoice2.vllm_export import export_for_vllm
 
 log = logging.getLogger(__name__)
@@ -60,9 +60,9 @@ class PromptEmbedder:
     def check(self, index: int, r: LlmRequest) -> None:
         if r.max_tokens < 1 or r.min_tokens < 0:
             raise ValueError(f"request {index}: max_tokens must be >= 1 and min_tokens >= 0")
-        if any(not 0 <= t < self.text.shape[0] for t in r.text_tokens):
+        if out_of_range(r.text_tokens, self.text.shape[0]):
             raise ValueError(f"request {index}: text token id out of range [0, {self.text.shape[0]})")
-        if any(not 0 <= t < self.dims.speech_token_size for t in r.prompt_speech_tokens):
+        if out_of_range(r.prompt_speech_tokens, self.dims.speech_token_size):
             raise ValueError(f"request {index}: prompt speech token out of range [0, {self.dims.speech_token_size})")
 
 
