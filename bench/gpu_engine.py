@@ -44,8 +44,8 @@ import threading
 import time
 import traceback
 from collections import defaultdict
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable
+from contextlib import nullcontext
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -73,6 +73,7 @@ from voxbatch.settings import Settings
 from voxbatch.worker.engine import Engine
 
 from bench import host_speed
+from bench.switches import ENV as SWITCH_ENV, SWITCHES, switched, worker_env
 from bench.provenance import REPO, commit
 
 SAMPLE_RATE = 24000
@@ -395,38 +396,6 @@ RUN_KEYS = {"rows": "engine_max_batch", "flow": "engine_flow_batch", "task": "ba
 VLLM_RUN_KEYS = ("process", "async", "vgraphs")  # the keys a --vllm-runs spec may set
 
 
-# Engine-stage A/B of scheduler and kernel choices that are code constants, not settings: key ->
-# (module, attribute, parse). Set in this process for one run and restored after (engine stage only).
-SWITCHES = {
-    "prio": ("voxbatch.worker.cosyvoice2.streaming", "LLM_STREAM_PRIORITY", int),
-    "longest": ("voxbatch.worker.cosyvoice2.streaming", "LONGEST_FIRST", lambda v: v in ("1", "true")),
-    "idle_div": ("voxbatch.worker.cosyvoice2.streaming", "IDLE_BATCH_DIV", int),
-    "octave": ("voxbatch.worker.cosyvoice2.streaming", "BUCKETS_PER_OCTAVE", int),
-    "fused_llm": ("voxbatch.worker.cosyvoice2.llm", "FUSED_KERNELS", lambda v: v in ("1", "true")),
-    "fused_norm": ("voxbatch.worker.cosyvoice2.flow_estimator", "FUSED_NORM", lambda v: v in ("1", "true")),
-    "lag": ("voxbatch.worker.cosyvoice2.torch_backend", "LOOK_LAG", int),
-    "hift_quantum": ("voxbatch.worker.cosyvoice2.engine", "HIFT_FRAME_QUANTUM", int),
-    "varlen": ("voxbatch.worker.cosyvoice2.flow_estimator", "VARLEN_ATTENTION", lambda v: v in ("1", "true")),
-    "packed": ("voxbatch.worker.cosyvoice2.llm", "PACKED_PREFILL", lambda v: v in ("1", "true")),
-    "merge": ("voxbatch.worker.cosyvoice2.streaming", "TAIL_MERGE", lambda v: v in ("1", "true")),
-    "split": ("voxbatch.worker.cosyvoice2.streaming", "TAIL_SPLIT", lambda v: v in ("1", "true")),
-    "gelu": ("voxbatch.worker.cosyvoice2.flow_estimator", "GELU_EPILOGUE", lambda v: v in ("1", "true")),
-    "source": ("voxbatch.worker.cosyvoice2.hift", "BATCHED_SOURCE", lambda v: v in ("1", "true")),
-    "draws": ("voxbatch.worker.cosyvoice2.hift", "IN_PLACE_DRAWS", lambda v: v in ("1", "true")),
-    "gather": ("voxbatch.worker.cosyvoice2.engine", "GATHER_TO_HIFT", lambda v: v in ("1", "true")),
-    "prepare": ("voxbatch.worker.cosyvoice2.engine", "PREPARE_AT_ENQUEUE", lambda v: v in ("1", "true")),
-    "hift_dtype": ("voxbatch.worker.cosyvoice2.engine", "HIFT_GPU_DTYPE", lambda v: {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[v]),
-    "epilogue": ("voxbatch.worker.cosyvoice2.hift", "FUSED_CONV_EPILOGUE", lambda v: v in ("1", "true")),
-    "fa3": ("voxbatch.worker.cosyvoice2.flash_varlen", "FA3", lambda v: v in ("1", "true")),
-    "fa3_splits": ("voxbatch.worker.cosyvoice2.flash_varlen", "FA3_SPLITS", int),
-    "fa3_q": ("voxbatch.worker.cosyvoice2.flash_varlen", "FA3_SKIP_PADDING", lambda v: v in ("1", "true")),
-    "graphs": ("voxbatch.worker.cosyvoice2.flow", "EULER_STEP_GRAPHS", lambda v: v in ("1", "true")),
-    "cf": ("voxbatch.worker.cosyvoice2.flow", "EULER_CAPTURE_FIRST", lambda v: v in ("1", "true")),
-    "gcache": ("voxbatch.worker.cosyvoice2.flow", "STEP_GRAPH_CACHE", lambda v: v in ("1", "true")),
-    "sfwav": ("voxbatch.audio", "WAV_BY_LIBSNDFILE", lambda v: v in ("1", "true")),
-}
-
-
 def parse_run(spec: str, switches: bool = False) -> dict[str, str]:
     """'rows=256,flow=64,task=16' -> {'rows': '256', ...}; unknown keys are an error (SWITCHES keys
     only where `switches`: the engine stage)."""
@@ -438,24 +407,6 @@ def parse_run(spec: str, switches: bool = False) -> dict[str, str]:
             raise SystemExit(f"bad run spec {spec!r}: use key=value pairs with keys {', '.join(allowed)}")
         out[key] = value
     return out
-
-
-@contextmanager
-def switched(run: dict[str, str]) -> Iterator[None]:
-    """The run's SWITCHES set on their modules for the duration."""
-    import importlib
-
-    saved = []
-    try:
-        for key, (module, attr, parse) in SWITCHES.items():
-            if key in run:
-                mod = importlib.import_module(module)
-                saved.append((mod, attr, getattr(mod, attr)))
-                setattr(mod, attr, parse(run[key]))
-        yield
-    finally:
-        for mod, attr, value in saved:
-            setattr(mod, attr, value)
 
 
 def vllm_run(spec: str) -> dict:
@@ -989,7 +940,35 @@ class Bench:
         redis-server on this machine, storage in a local folder. One worker; after a small warm job,
         one job per `--worker-task-sizes` entry (the producer's batch_size): the first is the figure. The
         warm job's own figures are kept beside them (`warm_job`: a fresh worker's first job pays one-time
-        costs, such as cuDNN plans and Triton kernels for the shapes it meets first)."""
+        costs, such as cuDNN plans and Triton kernels for the shapes it meets first).
+
+        With `--worker-ab SPEC`, a second worker then runs with SPEC laid over `--worker-run` (settings
+        and bench switches, bench/switches.py), its own warm job first, and a job of the first task size;
+        then the first configuration again in a third worker (A B A), so the pair is measured on either
+        side of the other: a change to the job's start or end, which the engine stage cannot see, in
+        the process a user runs."""
+        a = self.args
+        base = parse_run(a.worker_run)
+        first = self._worker_jobs(base, a.worker_task_sizes, "")
+        out = {**first, "note": "voxbatch worker process + voxbatch submit + redis-server; wall = job created -> last "
+                                "segment stored (Redis times)"}
+        if a.worker_ab:
+            other = {**base, **parse_run(a.worker_ab, switches=True)}
+            size = a.worker_task_sizes[0]
+            b = self._worker_jobs(other, [size], "_ab")
+            again = self._worker_jobs(base, [size], "_ab_again")
+            key = f"tasks_of_{size}"
+            xa = [first["runs"][key]["x_realtime"], again["runs"][key]["x_realtime"]]
+            out["ab"] = {"spec": a.worker_ab, "order": "A B A", "a_runs": [first["runs"][key], again["runs"][key]],
+                         "b_run": b["runs"][key], "b_env": b["env"], "b_warm_job": b["warm_job"],
+                         "b_over_a_mean": round(b["runs"][key]["x_realtime"] / (sum(xa) / 2), 3)}
+            print(f"  worker A/B ({a.worker_ab}): B {b['runs'][key]['x_realtime']}x vs A {xa[0]}x, {xa[1]}x "
+                  f"(B/A {out['ab']['b_over_a_mean']})", flush=True)
+        return out
+
+    def _worker_jobs(self, run: dict[str, str], sizes: list[int], tag: str) -> dict:
+        """One `voxbatch worker` with `run` (settings, and bench switches set in its processes): its warm
+        job, then one measured job per task size in `sizes`. `tag` names its log in --out."""
         from bench.worker_run import WorkerHarness
         from voxbatch.worker import timeline
 
@@ -997,23 +976,24 @@ class Bench:
         t = time.perf_counter()
         # The worker logs when its engine admits, decodes and vocodes (voxbatch/worker/timeline.py): each
         # job's result gets its first admission / decode / audio beside the GPU utilisation samples.
-        env = {**self.engine_env(parse_run(a.worker_run)), "VOXBATCH_TIMELINE_LOG": "true"}
+        env = {**self.engine_env(run), "VOXBATCH_TIMELINE_LOG": "true"}
+        switches = worker_env(run, os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
         print(f"  official model folder written in {time.perf_counter() - t:.1f}s", flush=True)
         corpus = self.tmp / "corpus.txt"
         corpus.write_text("\n\n".join(s.text for s in self.corpus) + "\n", encoding="utf-8")
         warm = self.tmp / "warm.txt"
         warm.write_text("\n\n".join(s.text for s in self.corpus[: a.worker_warm_segments]) + "\n", encoding="utf-8")
-        harness = WorkerHarness(self.tmp, env, a.redis_server)
+        harness = WorkerHarness(self.tmp, {**env, **switches}, a.redis_server)
         runs = {}
         try:
             ready_s = harness.start_worker("0" if self.llm_dev.startswith("cuda") else None)
-            print(f"  worker ready after {ready_s:.1f}s", flush=True)
+            print(f"  worker ready after {ready_s:.1f}s{' with ' + switches[SWITCH_ENV] if switches else ''}", flush=True)
             t = time.perf_counter()
-            job = harness.submit(warm, "bench", a.worker_task_sizes[0], self.official_dir())
+            job = harness.submit(warm, "bench", sizes[0], self.official_dir())
             print(f"  warm job {job} submitted in {time.perf_counter() - t:.1f}s", flush=True)
             res = harness.wait(job, min(a.worker_timeout_s, 180))
             wall = res["finished_at"] - res["created_at"]
-            warm_job = {**res, "task_size": a.worker_task_sizes[0], "wall_s": round(wall, 3),
+            warm_job = {**res, "task_size": sizes[0], "wall_s": round(wall, 3),
                         "x_realtime": round(res["audio_s"] / wall, 1)}
             print(f"  warm job done after {time.perf_counter() - t:.1f}s ({warm_job['x_realtime']}x realtime: the "
                   "worker's first job, one-time costs included)", flush=True)
@@ -1022,7 +1002,7 @@ class Bench:
             except Exception as e:  # noqa: BLE001 - a failed probe leaves the readings unaligned, recorded
                 lag = {"error": f"{type(e).__name__}: {e}", "lag_s": None}
             print(f"  nvidia-smi utilisation lag: {lag}", flush=True)
-            for size in a.worker_task_sizes:
+            for size in sizes:
                 spy = JobStartSpy.start(a.pyspy_job_start, harness.worker.pid) if a.pyspy_job_start else None
                 with GpuUtilisation() as util:
                     t0 = time.time()
@@ -1034,7 +1014,7 @@ class Bench:
                     if lag and lag["lag_s"]:
                         time.sleep(max(0.0, res["finished_at"] + lag["lag_s"] + 0.2 - time.time()))  # readings of the job's end
                 if spy is not None:
-                    res["pyspy_job_start"] = spy.finish(a.out / f"{a.name}_pyspy_job_start_tasks_of_{size}.txt",
+                    res["pyspy_job_start"] = spy.finish(a.out / f"{a.name}{tag}_pyspy_job_start_tasks_of_{size}.txt",
                                                         f"py-spy --gil of the worker from before `voxbatch submit` to "
                                                         f"{a.pyspy_seconds} s after it returned, tasks-of-{size} job ({a.name})")
                 wall = res["finished_at"] - res["created_at"]
@@ -1056,14 +1036,12 @@ class Bench:
             harness.close()
             if harness.log.exists():
                 a.out.mkdir(parents=True, exist_ok=True)
-                shutil.copy(harness.log, a.out / f"{a.name}_worker.log")
-        first = runs[f"tasks_of_{a.worker_task_sizes[0]}"]
+                shutil.copy(harness.log, a.out / f"{a.name}{tag}_worker.log")
+        first = runs[f"tasks_of_{sizes[0]}"]
         for k, r in runs.items():
             r["of_first_pct"] = round(100 * r["x_realtime"] / first["x_realtime"], 1)
         return {"runs": runs, "worker_ready_s": round(ready_s, 1), "warm_job": warm_job,
-                "env": {k: v for k, v in env.items() if k not in ("VOXBATCH_MODEL_DIR", "VOXBATCH_STORAGE_URL")},
-                "note": "voxbatch worker process + voxbatch submit + redis-server; wall = job created -> last segment stored (Redis times)"}
-
+                "env": {k: v for k, v in {**env, **switches}.items() if k not in ("VOXBATCH_MODEL_DIR", "VOXBATCH_STORAGE_URL", "PYTHONPATH")}}
 
     def render_stage(self) -> dict:
         """`voxbatch render` as a user runs it (its own process, `--json`) over the bench corpus written as
@@ -1334,6 +1312,11 @@ def table(results: dict) -> str:
         for k, r in wk.items():
             lines.append(f"| voxbatch worker (Celery + Redis + submit) | {k} ({r.get('of_first_pct')}% of the first) | {r['segments']} | "
                          f"{r['audio_s']} | {r['wall_s']} | {r['x_realtime']} | {r.get('gpu_busy_pct')} | {r['failed']} |")
+        ab = st.get("worker", {}).get("ab")
+        if ab:
+            for label, r in (("A", ab["a_runs"][0]), (f"B: {ab['spec']}", ab["b_run"]), ("A again", ab["a_runs"][1])):
+                lines.append(f"| voxbatch worker A/B (A B A; B/A {ab['b_over_a_mean']}) | {label} | {r['segments']} | "
+                             f"{r['audio_s']} | {r['wall_s']} | {r['x_realtime']} | {r.get('gpu_busy_pct')} | {r['failed']} |")
         for k, r in en.items():
             lines.append(f"| engine through the Pipeline (no broker) | {k} | {r['segments']} | {r['audio_s']} | {r['wall_s']} | "
                          f"{r['x_realtime']} | {r.get('gpu_busy_pct')} | {r['failed']} |")
@@ -1390,6 +1373,10 @@ def main() -> None:
                     help="worker stage: VOXBATCH_* settings of the worker process, as key=value (keys: %s)" % ", ".join(RUN_KEYS))
     ap.add_argument("--worker-task-sizes", type=int, nargs="+", default=[16, 64],
                     help="worker stage: one job per task size (the producer's batch_size); the first is the figure")
+    ap.add_argument("--worker-ab", default=None, metavar="SPEC",
+                    help="worker stage: also run SPEC laid over --worker-run (settings and bench switches: %s) in a "
+                         "second worker, then --worker-run again in a third (A B A), a job of the first task size each"
+                         % ", ".join(SWITCHES))
     ap.add_argument("--worker-timeout-s", type=float, default=300.0)
     ap.add_argument("--pyspy-job-start", default=None, metavar="PY_SPY",
                     help="worker stage: sample the worker with this py-spy binary (GIL holders) over each measured job's start")
@@ -1433,6 +1420,8 @@ def main() -> None:
     for spec in args.vllm_runs:
         vllm_run(spec)  # a bad spec fails here, not after the stages before it ran
     parse_run(args.worker_run)
+    if args.worker_ab is not None:
+        parse_run(args.worker_ab, switches=True)
     parse_run(args.invariance_run)
     if args.pyspy_job_start and shutil.which(args.pyspy_job_start) is None:
         ap.error(f"--pyspy-job-start: no py-spy at {args.pyspy_job_start!r}")

@@ -126,3 +126,36 @@ def test_worker_stage_samples_the_gil_holders_at_each_jobs_start(tmp_path, tiny_
     text = (tmp_path / spy["file"]).read_text()
     assert text.startswith("# py-spy --gil of the worker from before `voxbatch submit`") and "== process" in text
     assert "-- threads" in text
+
+
+def test_bench_switches_reach_the_worker_processes_started_with_them():
+    """bench/switches.py: the environment `worker_env` gives sets the switch in any Python process
+    started with it (the `voxbatch worker` launcher's children too), as the module is imported; a
+    process without it keeps the shipped value."""
+    probe = "import voxbatch.worker.cosyvoice2.engine as e; print(e.PREPARE_AT_ENQUEUE)"
+    code = ("import os, subprocess, sys; from bench.switches import worker_env; "
+            "env = {**os.environ, **worker_env({'prepare': '0', 'task': '16'}, os.environ['PYTHONPATH'])}; "
+            f"print(subprocess.run([sys.executable, '-c', {probe!r}], env=env, capture_output=True, text=True, check=True).stdout.strip()); "
+            f"print(subprocess.run([sys.executable, '-c', {probe!r}], capture_output=True, text=True, check=True).stdout.strip())")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False", "True"]
+
+
+def test_worker_ab_runs_a_b_a_in_three_workers(tmp_path, tiny_model_dir):
+    """`--worker-ab`: the second configuration (here a bench switch) in its own worker between two
+    runs of the first, and the result holds all three with the B/A ratio and B's switches."""
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server not on PATH")
+    args = ["--tiny", "--device", "cpu", "--segments", "4", "--max-s", "3", "--worker-run", "rows=4,flow=2,task=2",
+            "--worker-task-sizes", "4", "--worker-warm-segments", "2", "--budget-s", "3000", "--worker-ab", "prepare=0"]
+    out = bench(tmp_path, *args, "--stages", "worker", "--fixture-yaml", str(tiny_model_dir / "cosyvoice2.yaml"), "--name", "ab")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    ab = json.loads((tmp_path / "ab.json").read_text())["stages"]["worker"]["ab"]
+    assert ab["spec"] == "prepare=0" and ab["order"] == "A B A" and ab["b_env"]["VOXBATCH_BENCH_SWITCHES"] == "prepare=0"
+    for r in [*ab["a_runs"], ab["b_run"]]:
+        assert r["done"] == r["segments"] == 4 and r["failed"] == 0
+    assert ab["b_over_a_mean"] > 0
+    assert {"ab_ab_worker.log", "ab_ab_again_worker.log", "ab_worker.log"} <= {p.name for p in tmp_path.iterdir()}
+    assert "voxbatch worker A/B" in (tmp_path / "ab.md").read_text()

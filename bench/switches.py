@@ -1,0 +1,138 @@
+"""Code constants the benchmarks flip for an A/B (bench switches), in this process or in a worker's.
+
+`SWITCHES` maps a short key of a run spec ('prepare=0', 'lag=4') to the module constant it sets. The
+engine stage sets them in its own process for one run (`switched`); the worker stage's A/B sets them
+in the `voxbatch worker` processes it starts (`worker_env` / `apply_from_env`): the real worker then
+runs with that one constant changed and nothing else, so a change to the job's start or end (where
+the engine stage cannot see Celery's threads) is measured where it matters.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+ENV = "VOXBATCH_BENCH_SWITCHES"  # 'key=value,...' for the worker processes (read by worker_site/sitecustomize.py)
+SITE = Path(__file__).resolve().parent / "worker_site"
+
+
+def _flag(v: str) -> bool:
+    return v in ("1", "true")
+
+
+def _dtype(v: str):
+    import torch
+
+    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[v]
+
+
+# Engine-stage A/B of scheduler and kernel choices that are code constants, not settings: key ->
+# (module, attribute, parse). Set in this process for one run and restored after (engine stage only).
+SWITCHES = {
+    "prio": ("voxbatch.worker.cosyvoice2.streaming", "LLM_STREAM_PRIORITY", int),
+    "longest": ("voxbatch.worker.cosyvoice2.streaming", "LONGEST_FIRST", _flag),
+    "idle_div": ("voxbatch.worker.cosyvoice2.streaming", "IDLE_BATCH_DIV", int),
+    "octave": ("voxbatch.worker.cosyvoice2.streaming", "BUCKETS_PER_OCTAVE", int),
+    "fused_llm": ("voxbatch.worker.cosyvoice2.llm", "FUSED_KERNELS", _flag),
+    "fused_norm": ("voxbatch.worker.cosyvoice2.flow_estimator", "FUSED_NORM", _flag),
+    "lag": ("voxbatch.worker.cosyvoice2.torch_backend", "LOOK_LAG", int),
+    "hift_quantum": ("voxbatch.worker.cosyvoice2.engine", "HIFT_FRAME_QUANTUM", int),
+    "varlen": ("voxbatch.worker.cosyvoice2.flow_estimator", "VARLEN_ATTENTION", _flag),
+    "packed": ("voxbatch.worker.cosyvoice2.llm", "PACKED_PREFILL", _flag),
+    "merge": ("voxbatch.worker.cosyvoice2.streaming", "TAIL_MERGE", _flag),
+    "split": ("voxbatch.worker.cosyvoice2.streaming", "TAIL_SPLIT", _flag),
+    "gelu": ("voxbatch.worker.cosyvoice2.flow_estimator", "GELU_EPILOGUE", _flag),
+    "source": ("voxbatch.worker.cosyvoice2.hift", "BATCHED_SOURCE", _flag),
+    "draws": ("voxbatch.worker.cosyvoice2.hift", "IN_PLACE_DRAWS", _flag),
+    "gather": ("voxbatch.worker.cosyvoice2.engine", "GATHER_TO_HIFT", _flag),
+    "prepare": ("voxbatch.worker.cosyvoice2.engine", "PREPARE_AT_ENQUEUE", _flag),
+    "hift_dtype": ("voxbatch.worker.cosyvoice2.engine", "HIFT_GPU_DTYPE", _dtype),
+    "epilogue": ("voxbatch.worker.cosyvoice2.hift", "FUSED_CONV_EPILOGUE", _flag),
+    "fa3": ("voxbatch.worker.cosyvoice2.flash_varlen", "FA3", _flag),
+    "fa3_splits": ("voxbatch.worker.cosyvoice2.flash_varlen", "FA3_SPLITS", int),
+    "fa3_q": ("voxbatch.worker.cosyvoice2.flash_varlen", "FA3_SKIP_PADDING", _flag),
+    "graphs": ("voxbatch.worker.cosyvoice2.flow", "EULER_STEP_GRAPHS", _flag),
+    "cf": ("voxbatch.worker.cosyvoice2.flow", "EULER_CAPTURE_FIRST", _flag),
+    "gcache": ("voxbatch.worker.cosyvoice2.flow", "STEP_GRAPH_CACHE", _flag),
+    "sfwav": ("voxbatch.audio", "WAV_BY_LIBSNDFILE", _flag),
+}
+
+
+
+@contextmanager
+def switched(run: dict[str, str]) -> Iterator[None]:
+    """The run's SWITCHES set on their modules for the duration (this process)."""
+    saved = []
+    try:
+        for key, (module, attr, parse) in SWITCHES.items():
+            if key in run:
+                mod = importlib.import_module(module)
+                saved.append((mod, attr, getattr(mod, attr)))
+                setattr(mod, attr, parse(run[key]))
+        yield
+    finally:
+        for mod, attr, value in saved:
+            setattr(mod, attr, value)
+
+
+def worker_env(run: dict[str, str], pythonpath: str) -> dict[str, str]:
+    """Environment variables that set the run's SWITCHES in the worker processes started with them
+    (none when the run has none): ENV, and SITE first on PYTHONPATH, whose sitecustomize reads it."""
+    chosen = {k: v for k, v in run.items() if k in SWITCHES}
+    if not chosen:
+        return {}
+    return {ENV: ",".join(f"{k}={v}" for k, v in chosen.items()), "PYTHONPATH": os.pathsep.join([str(SITE), pythonpath])}
+
+
+class _SetOnImport(importlib.abc.MetaPathFinder):
+    """Sets the switches of a module right after it is first imported (before anything uses it)."""
+
+    def __init__(self, settings: dict[str, list[tuple[str, object]]]):
+        self.settings = settings
+
+    def find_spec(self, name, path, target=None):
+        if name not in self.settings:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return spec
+        loader, values = spec.loader, self.settings[name]
+
+        class _Loader(importlib.abc.Loader):
+            def create_module(self, spec):
+                return loader.create_module(spec)
+
+            def exec_module(self, module):
+                loader.exec_module(module)
+                for attr, value in values:
+                    if not hasattr(module, attr):
+                        raise AttributeError(f"{ENV}: {name} has no {attr}")
+                    setattr(module, attr, value)
+
+        spec.loader = _Loader()
+        return spec
+
+
+def apply_from_env() -> None:
+    """In a process started with `worker_env`: set its switches on their modules as they are imported."""
+    spec = os.environ.get(ENV)
+    if not spec:
+        return
+    settings: dict[str, list[tuple[str, object]]] = {}
+    for part in filter(None, spec.split(",")):
+        key, _, value = part.partition("=")
+        if key not in SWITCHES:
+            raise SystemExit(f"{ENV}: unknown switch {key!r}")
+        module, attr, parse = SWITCHES[key]
+        settings.setdefault(module, []).append((attr, parse(value)))
+    for module, values in settings.items():
+        if module in sys.modules:  # already imported: set now
+            for attr, value in values:
+                setattr(sys.modules[module], attr, value)
+    sys.meta_path.insert(0, _SetOnImport(settings))
