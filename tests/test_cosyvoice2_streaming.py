@@ -319,8 +319,8 @@ def test_vocoder_threads_follow_the_engine_setting(tiny_model_dir, storage_dir):
 def test_prepared_requests_take_their_input_from_prepare_and_sound_the_same(engine, monkeypatch):
     """`prepare` (on the task's thread) composes the LLM input the LLM thread would: `item` takes it
     as made while the voice is the one the cache holds, makes it again for a voice re-created
-    meanwhile, and a request that cannot be prepared goes in as it came (its error is reported when
-    the engine takes it). Served prepared, every segment sounds as it does alone."""
+    meanwhile, and one that cannot be prepared raises what `item` would (the pipeline then queues it
+    as it came, and its error is reported when the engine takes it). Served prepared, every segment sounds as it does alone."""
     from voxbatch.worker.cosyvoice2 import engine as engine_module
 
     batch = mixed(engine, 6)
@@ -334,13 +334,14 @@ def test_prepared_requests_take_their_input_from_prepare_and_sound_the_same(engi
     again = engine.item(prepared[0])
     assert again.llm is not prepared[0].prepared.llm and again.llm == prepared[0].prepared.llm
     bad = SynthesisRequest("bad", TEXTS[0], "nobody", 1, SynthesisParams(max_tokens=4))
-    assert engine.prepare(bad) is bad
+    with pytest.raises(LookupError, match="nobody"):
+        engine.prepare(bad)  # the pipeline queues it unprepared (tests/test_pipeline.py)
     monkeypatch.setattr(engine_module, "PREPARE_AT_ENQUEUE", False)
     assert engine.prepare(batch[0]) is batch[0]
     monkeypatch.undo()
 
     rec = Recorder()
-    t, _ = serve(engine, prepared + [engine.prepare(bad)], rec)
+    t, _ = serve(engine, prepared + [bad], rec)
     t.join(120)
     assert not t.is_alive()
     assert rec.results["bad"].audio is None and "nobody" in rec.results["bad"].error

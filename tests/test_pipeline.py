@@ -247,6 +247,8 @@ class PreparingEngine(ToneEngine):
 
     def prepare(self, request):
         self.prepared_on.add(threading.current_thread().name)
+        if "unpreparable" in request.text:
+            raise LookupError("no such voice (raised ahead)")
         return replace(request, prepared=("made ahead", request.segment_id))
 
     def synthesize(self, batch):
@@ -259,11 +261,12 @@ def test_segments_are_prepared_on_the_submitting_thread_not_the_engines(tmp_path
     thread takes work that is ready; every segment reaches the engine prepared, retries included."""
     spec = make_job(10)
     bad = Segment(chapter=0, index=10, text=f"broken {FAIL_MARKER}")
-    spec = spec.model_copy(update={"segments": [*spec.segments, bad]})
+    odd = Segment(chapter=0, index=11, text="unpreparable, but renders")
+    spec = spec.model_copy(update={"segments": [*spec.segments, bad, odd]})
     engine = PreparingEngine()
     _, jobs, _ = run(spec, LocalStorage(tmp_path), Settings(batch_size=4, max_attempts=2, retry_backoff_ms=10), engine=engine)
-    assert jobs.status("job1").done == 10 and jobs.status("job1").failed == 1
+    assert jobs.status("job1").done == 11 and jobs.status("job1").failed == 1  # a failed prepare is no failure
     assert "engine" not in engine.prepared_on and threading.current_thread().name in engine.prepared_on
-    ids = [seg.id for seg in spec.segments]
-    assert set(engine.rendered_prepared) == {("made ahead", i) for i in ids}  # nothing reached it unprepared
+    ids = [seg.id for seg in spec.segments if seg is not odd]
+    assert set(engine.rendered_prepared) == {("made ahead", i) for i in ids} | {None}  # only `odd` unprepared
     assert engine.rendered_prepared.count(("made ahead", bad.id)) >= 2  # its retry was prepared again

@@ -66,8 +66,9 @@ class Engine(ABC):
         The engine's own thread is the one that keeps the GPU fed: host work it does for a request
         (tokenizing, composing the model input) is time the GPU waits at the start of a job, when
         hundreds of requests arrive at once. Whatever is made here must be made again by the engine
-        if it no longer holds (a voice re-created meanwhile), and a failure here is no failure: the
-        engine meets it again and reports it then. Nothing by default."""
+        if it no longer holds (a voice re-created meanwhile). It may raise: a failure here is no
+        failure (the pipeline queues the request unprepared), the engine meets it again and reports
+        it then. Nothing by default."""
         return request
 
     def warmup(self) -> None:

@@ -333,8 +333,17 @@ class Pipeline:
             handle.abandon()  # shutting down: not worth starting, the redelivery renders it
             return
         tag = _Tag(handle, seg, outage_since=outage_since)
-        # Prepared here, on the task's thread: the engine thread only takes it (Engine.prepare).
-        self.intake.put(self.engine.prepare(SynthesisRequest(seg.id, seg.text, task.voice, seg.seed, task.params, tag=tag)))
+        self.intake.put(self._prepared(SynthesisRequest(seg.id, seg.text, task.voice, seg.seed, task.params, tag=tag)))
+
+    def _prepared(self, request: SynthesisRequest) -> SynthesisRequest:
+        """`Engine.prepare` on this thread (a task's, or a retry's timer), so the engine thread only
+        takes the request. A request it cannot prepare goes in as it is: the engine meets the same
+        problem when it takes it and reports it there, where the segment's attempt is counted."""
+        try:
+            return self.engine.prepare(request)
+        except Exception as e:  # noqa: BLE001 - not this thread's to report (see above)
+            log.debug("segment %s: not prepared ahead (%s: %s)", request.segment_id, type(e).__name__, e)
+            return request
 
     def _admit(self, batch: list[SynthesisRequest]) -> list[SynthesisRequest]:
         """Count an attempt for each segment the engine is about to render (engine thread).

@@ -479,16 +479,12 @@ class CosyVoice2Engine(Engine):
 
     def prepare(self, request: SynthesisRequest) -> SynthesisRequest:
         """The request with its LLM input composed (`Engine.prepare`: on the task's thread, so the LLM
-        thread only takes it). A request that cannot be prepared goes in as it is: the LLM thread
-        meets the same error in `item` and fails that segment there, attempt counted, as before."""
+        thread only takes it). Raises what `item` would (a missing voice, an empty text): the caller
+        queues the request unprepared and the LLM thread fails that segment in `item`, as before."""
         if not PREPARE_AT_ENQUEUE:
             return request
-        try:
-            voice = self.voices.get(request.voice)
-            prepared = _Prepared(voice, self.llm_request(request, voice))
-        except Exception:  # noqa: BLE001 - reported by `item` on the LLM thread, where it counts
-            return request
-        return replace(request, prepared=prepared)
+        voice = self.voices.get(request.voice)
+        return replace(request, prepared=_Prepared(voice, self.llm_request(request, voice)))
 
     def item(self, request: SynthesisRequest) -> _Item:
         """A request made ready for the LLM (voice prepared, input composed); raises LookupError or
