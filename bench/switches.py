@@ -38,6 +38,7 @@ SWITCHES = {
     "prio": ("voxbatch.worker.cosyvoice2.streaming", "LLM_STREAM_PRIORITY", int),
     "longest": ("voxbatch.worker.cosyvoice2.streaming", "LONGEST_FIRST", _flag),
     "idle_div": ("voxbatch.worker.cosyvoice2.streaming", "IDLE_BATCH_DIV", int),
+    "start_div": ("voxbatch.worker.cosyvoice2.streaming", "START_BATCH_DIV", int),
     "octave": ("voxbatch.worker.cosyvoice2.streaming", "BUCKETS_PER_OCTAVE", int),
     "fused_llm": ("voxbatch.worker.cosyvoice2.llm", "FUSED_KERNELS", _flag),
     "fused_norm": ("voxbatch.worker.cosyvoice2.flow_estimator", "FUSED_NORM", _flag),

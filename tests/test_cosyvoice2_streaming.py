@@ -349,3 +349,28 @@ def test_prepared_requests_take_their_input_from_prepare_and_sound_the_same(engi
         res = rec.results[r.segment_id]
         assert res.error is None, res.error
         np.testing.assert_allclose(res.audio, alone(engine, r), rtol=0, atol=BATCH_ATOL, err_msg=r.text)
+
+
+@pytest.mark.parametrize("start_div", [0, 8])
+def test_with_nothing_rendering_a_smaller_bucket_starts_the_vocoder(monkeypatch, start_div):
+    """START_BATCH_DIV: while no vocoder thread renders (a job's start) the fullest bucket runs at
+    flow_batch / START_BATCH_DIV rows; once a thread renders, the idle bar (IDLE_BATCH_DIV) is back.
+    Off (0), the idle bar holds throughout."""
+    from types import SimpleNamespace
+
+    from voxbatch.worker.cosyvoice2 import streaming
+
+    monkeypatch.setattr(streaming, "START_BATCH_DIV", start_div)
+    monkeypatch.setattr(streaming, "IDLE_BATCH_DIV", 4)
+    sched = SimpleNamespace(engine=SimpleNamespace(flow_batch=16, max_batch=32), llm_rows=lambda: 100)
+    vocoder = streaming._Vocoder(sched)
+    for n in (100, 101):  # one bucket of 2 rows: 16 / 8, under 16 / 4
+        vocoder.put(SimpleNamespace(tokens=[0] * n))
+    now = time.perf_counter()
+    key = vocoder._partial(now, primary=True)
+    assert (key is not None) == bool(start_div)
+    vocoder.rendering = 1
+    assert vocoder._partial(now, primary=True) is None  # another batch renders: the idle bar
+    for n in (102, 103):
+        vocoder.put(SimpleNamespace(tokens=[0] * n))
+    assert vocoder._partial(now, primary=True) is not None  # 4 rows = 16 / 4

@@ -1,8 +1,8 @@
 """Where a job's time goes inside the worker, as log lines a benchmark reads back (off by default).
 
 With `settings.timeline_log` the logger `voxbatch.timeline` writes one INFO line per engine event:
-segments admitted to the engine, an LLM decode session started or refilled, a flow/HiFT batch started
-and finished. Each line ends in `timeline <event> <count> <unix time>`. The GPU benchmark's worker
+segments admitted to the engine, an LLM decode session started or refilled, a finished row reaching
+an empty vocoder, a flow/HiFT batch started and finished. Each line ends in `timeline <event> <count> <unix time>`. The GPU benchmark's worker
 stage reads them back from the worker's log and sets each job's first admission, first decode and
 first audio beside its GPU utilisation samples: the GPU sat idle for the first 0.4-1.0 s of every
 job (bench/results/gpu_h200_worker5.json), and these say which step of the start that was. A few lines
@@ -37,7 +37,7 @@ from collections.abc import Iterator
 log = logging.getLogger("voxbatch.timeline")
 log.setLevel(logging.WARNING)  # off until `configure(True)`
 LINE = re.compile(r"timeline (\w+) (\d+) ([0-9.]+)$")
-EVENTS = ("admit", "llm_session", "llm_refill", "vocode_start", "vocode_end")
+EVENTS = ("admit", "llm_session", "llm_refill", "vocoder_first_row", "vocode_start", "vocode_end")
 GC_EVENTS = ("gc1", "gc2")  # count = the pause in milliseconds
 # The LLM thread's host time (count = milliseconds) to take segments in (the pipeline's attempt count
 # and the engine's item for each) and to place them in cache rows (checks and prefill launches): no

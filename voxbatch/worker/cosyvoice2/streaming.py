@@ -50,6 +50,15 @@ POLL_S = 0.05  # how long an idle LLM thread waits on the intake before looking 
 LLM_STREAM_PRIORITY = -1
 BUCKETS_PER_OCTAVE = 2  # flow length buckets per doubling of length (1: within 2x, 2: within 1.41x)
 IDLE_BATCH_DIV = 4  # an idle vocoder runs a bucket holding flow_batch / this many rows (0: wait for full/old)
+# With no vocoder thread rendering at all (a job's start: the LLM's first rows have just finished), run
+# the fullest bucket once it holds flow_batch / this many rows instead (0: off, IDLE_BATCH_DIV's bar).
+# Why it might pay: a job's vocoder work is most of its wall time, and at the start nothing but the
+# LLM runs: its first flow batch began 0.85-0.90 s into ~10.5 s jobs on the H200 (a bucket filling to a
+# quarter of a flow batch), with the decode step leaving SMs free beside it
+# (bench/results/gpu_h200_worker19.json, timeline). Small batches cost more per row, so this only
+# applies while nothing else renders. Not measured yet: off until an A/B on the H200 says otherwise
+# (bench switch `start_div`, e.g. `--worker-ab start_div=16`).
+START_BATCH_DIV = 0
 # Flow/HiFT threads, each with its own CUDA stream. In a job the LLM takes its last rows early (last
 # refill 2.6 s into 13.7 s, bench/results/gpu_h200_worker7_worker.log); after them one thread's
 # batches run back to back alone, and the GPU idles at each batch's host work and through a small
@@ -233,6 +242,8 @@ class _Vocoder:
 
     def put(self, item) -> None:
         with self.cv:
+            if not self.pending:  # the vocoder had nothing: how long its first row waits for a batch (the timeline)
+                timeline.event("vocoder_first_row", 1)
             key = length_bucket(len(item.tokens))
             self.buckets.setdefault(key, []).append(item)
             self.since.setdefault(key, time.perf_counter())
@@ -307,7 +318,8 @@ class _Vocoder:
         """The bucket to run before it is full (the vocoder is idle here), or None to wait: the longest
         when the LLM has too little left to fill a bucket; else the longest of those whose oldest row
         waited FLUSH_AFTER_S; else the fullest holding flow_batch / IDLE_BATCH_DIV rows, rather than
-        leaving flow/HiFT's stream empty while it fills (the start of the work, gaps later)."""
+        leaving flow/HiFT's stream empty while it fills (the start of the work, gaps later); with no
+        thread rendering at all, flow_batch / START_BATCH_DIV rows where that is set."""
         if self._llm_nearly_done():
             return max(self.buckets)
         old = [k for k, t in self.since.items() if now - t >= FLUSH_AFTER_S]
@@ -315,7 +327,8 @@ class _Vocoder:
             return max(old)
         if IDLE_BATCH_DIV and primary:
             fullest = max(self.buckets, key=lambda k: len(self.buckets[k]))
-            if len(self.buckets[fullest]) >= max(1, self.flow_batch // IDLE_BATCH_DIV):
+            div = max(IDLE_BATCH_DIV, START_BATCH_DIV) if not self.rendering else IDLE_BATCH_DIV
+            if len(self.buckets[fullest]) >= max(1, self.flow_batch // div):
                 return fullest
         return None
 
