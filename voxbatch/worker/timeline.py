@@ -2,11 +2,12 @@
 
 With `settings.timeline_log` the logger `voxbatch.timeline` writes one INFO line per engine event:
 segments admitted to the engine, an LLM decode session started or refilled, a finished row reaching
-an empty vocoder, a flow/HiFT batch started and finished. Each line ends in `timeline <event> <count> <unix time>`. The GPU benchmark's worker
-stage reads them back from the worker's log and sets each job's first admission, first decode and
-first audio beside its GPU utilisation samples: the GPU sat idle for the first 0.4-1.0 s of every
-job (bench/results/gpu_h200_worker5.json), and these say which step of the start that was. A few lines
-per batch, never one per decode step; when off, an event costs one level check.
+an empty vocoder, a flow/HiFT batch started and finished. Each line ends in `timeline <event> <count>
+<unix time>`. The GPU benchmark's worker stage reads them back from the worker's log and sets each
+job's first admission, first decode and first audio beside its GPU utilisation samples: the GPU sat
+idle for the first 0.4-1.0 s of every job (bench/results/gpu_h200_worker5.json), and these say which
+step of the start that was. A few lines per batch, never one per decode step; when off, an event
+costs one level check.
 
 When on, Python's garbage collections that stop every thread long enough to matter are events too:
 `gc2 <ms>` for each full collection and `gc1 <ms>` for a generation-1 one of at least GC1_MIN_MS

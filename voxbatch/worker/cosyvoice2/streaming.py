@@ -191,7 +191,6 @@ class _Feed:
         return batch
 
     def _admit(self, batch: list[SynthesisRequest]) -> list:
-        s = self.s
         began = time.perf_counter()
         try:
             return self._admitted(batch)
