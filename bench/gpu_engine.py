@@ -942,28 +942,31 @@ class Bench:
         warm job's own figures are kept beside them (`warm_job`: a fresh worker's first job pays one-time
         costs, such as cuDNN plans and Triton kernels for the shapes it meets first).
 
-        With `--worker-ab SPEC`, a second worker then runs with SPEC laid over `--worker-run` (settings
-        and bench switches, bench/switches.py), its own warm job first, and a job of the first task size;
-        then the first configuration again in a third worker (A B A), so the pair is measured on either
-        side of the other: a change to the job's start or end, which the engine stage cannot see, in
-        the process a user runs."""
+        With `--worker-ab SPEC [SPEC ...]`, each SPEC (settings and bench switches, bench/switches.py)
+        laid over `--worker-run` then runs in a worker of its own, its warm job first, and a job of the
+        first task size; then the first configuration again in a last worker (A B.. A), so the
+        variants are measured between two runs of the shipped one: a change to the job's start or
+        end, which the engine stage cannot see, in the process a user runs."""
         a = self.args
         base = parse_run(a.worker_run)
         first = self._worker_jobs(base, a.worker_task_sizes, "")
         out = {**first, "note": "voxbatch worker process + voxbatch submit + redis-server; wall = job created -> last "
                                 "segment stored (Redis times)"}
         if a.worker_ab:
-            other = {**base, **parse_run(a.worker_ab, switches=True)}
             size = a.worker_task_sizes[0]
-            b = self._worker_jobs(other, [size], "_ab")
-            again = self._worker_jobs(base, [size], "_ab_again")
             key = f"tasks_of_{size}"
+            variants = [(spec, self._worker_jobs({**base, **parse_run(spec, switches=True)}, [size], f"_ab{k + 1}"))
+                        for k, spec in enumerate(a.worker_ab)]
+            again = self._worker_jobs(base, [size], "_ab_again")
             xa = [first["runs"][key]["x_realtime"], again["runs"][key]["x_realtime"]]
-            out["ab"] = {"spec": a.worker_ab, "order": "A B A", "a_runs": [first["runs"][key], again["runs"][key]],
-                         "b_run": b["runs"][key], "b_env": b["env"], "b_warm_job": b["warm_job"],
-                         "b_over_a_mean": round(b["runs"][key]["x_realtime"] / (sum(xa) / 2), 3)}
-            print(f"  worker A/B ({a.worker_ab}): B {b['runs'][key]['x_realtime']}x vs A {xa[0]}x, {xa[1]}x "
-                  f"(B/A {out['ab']['b_over_a_mean']})", flush=True)
+            out["ab"] = {"order": "A " + " ".join(f"B{k + 1}" for k in range(len(variants))) + " A",
+                         "a_runs": [first["runs"][key], again["runs"][key]],
+                         "variants": [{"spec": spec, "run": v["runs"][key], "env": v["env"], "warm_job": v["warm_job"],
+                                       "over_a_mean": round(v["runs"][key]["x_realtime"] / (sum(xa) / 2), 3)}
+                                      for spec, v in variants]}
+            for v in out["ab"]["variants"]:
+                print(f"  worker A/B ({v['spec']}): {v['run']['x_realtime']}x vs A {xa[0]}x, {xa[1]}x "
+                      f"(B/A {v['over_a_mean']})", flush=True)
         return out
 
     def _worker_jobs(self, run: dict[str, str], sizes: list[int], tag: str) -> dict:
@@ -1314,8 +1317,9 @@ def table(results: dict) -> str:
                          f"{r['audio_s']} | {r['wall_s']} | {r['x_realtime']} | {r.get('gpu_busy_pct')} | {r['failed']} |")
         ab = st.get("worker", {}).get("ab")
         if ab:
-            for label, r in (("A", ab["a_runs"][0]), (f"B: {ab['spec']}", ab["b_run"]), ("A again", ab["a_runs"][1])):
-                lines.append(f"| voxbatch worker A/B (A B A; B/A {ab['b_over_a_mean']}) | {label} | {r['segments']} | "
+            rows = [("A", ab["a_runs"][0])] + [(f"B: {v['spec']} (B/A {v['over_a_mean']})", v["run"]) for v in ab["variants"]]
+            for label, r in rows + [("A again", ab["a_runs"][1])]:
+                lines.append(f"| voxbatch worker A/B ({ab['order']}) | {label} | {r['segments']} | "
                              f"{r['audio_s']} | {r['wall_s']} | {r['x_realtime']} | {r.get('gpu_busy_pct')} | {r['failed']} |")
         for k, r in en.items():
             lines.append(f"| engine through the Pipeline (no broker) | {k} | {r['segments']} | {r['audio_s']} | {r['wall_s']} | "
@@ -1373,9 +1377,9 @@ def main() -> None:
                     help="worker stage: VOXBATCH_* settings of the worker process, as key=value (keys: %s)" % ", ".join(RUN_KEYS))
     ap.add_argument("--worker-task-sizes", type=int, nargs="+", default=[16, 64],
                     help="worker stage: one job per task size (the producer's batch_size); the first is the figure")
-    ap.add_argument("--worker-ab", default=None, metavar="SPEC",
-                    help="worker stage: also run SPEC laid over --worker-run (settings and bench switches: %s) in a "
-                         "second worker, then --worker-run again in a third (A B A), a job of the first task size each"
+    ap.add_argument("--worker-ab", nargs="+", default=[], metavar="SPEC",
+                    help="worker stage: also run each SPEC laid over --worker-run (settings and bench switches: %s) in a "
+                         "worker of its own, then --worker-run again in a last one (A B.. A), a job of the first task size each"
                          % ", ".join(SWITCHES))
     ap.add_argument("--worker-timeout-s", type=float, default=300.0)
     ap.add_argument("--pyspy-job-start", default=None, metavar="PY_SPY",
@@ -1420,8 +1424,10 @@ def main() -> None:
     for spec in args.vllm_runs:
         vllm_run(spec)  # a bad spec fails here, not after the stages before it ran
     parse_run(args.worker_run)
-    if args.worker_ab is not None:
-        parse_run(args.worker_ab, switches=True)
+    for spec in args.worker_ab:
+        parse_run(spec, switches=True)
+    if len(set(args.worker_ab)) != len(args.worker_ab):
+        ap.error("--worker-ab must not repeat a configuration")
     parse_run(args.invariance_run)
     if args.pyspy_job_start and shutil.which(args.pyspy_job_start) is None:
         ap.error(f"--pyspy-job-start: no py-spy at {args.pyspy_job_start!r}")

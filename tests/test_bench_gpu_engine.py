@@ -143,19 +143,23 @@ def test_bench_switches_reach_the_worker_processes_started_with_them():
     assert out.stdout.split() == ["False", "True"]
 
 
-def test_worker_ab_runs_a_b_a_in_three_workers(tmp_path, tiny_model_dir):
-    """`--worker-ab`: the second configuration (here a bench switch) in its own worker between two
-    runs of the first, and the result holds all three with the B/A ratio and B's switches."""
+def test_worker_ab_runs_each_variant_between_two_runs_of_the_first(tmp_path, tiny_model_dir):
+    """`--worker-ab`: each variant (a bench switch, a setting) in a worker of its own between two runs of
+    the first configuration, and the result holds them all with each variant's ratio and environment."""
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server not on PATH")
     args = ["--tiny", "--device", "cpu", "--segments", "4", "--max-s", "3", "--worker-run", "rows=4,flow=2,task=2",
-            "--worker-task-sizes", "4", "--worker-warm-segments", "2", "--budget-s", "3000", "--worker-ab", "prepare=0"]
+            "--worker-task-sizes", "4", "--worker-warm-segments", "2", "--budget-s", "3000",
+            "--worker-ab", "prepare=0", "upload=1"]
     out = bench(tmp_path, *args, "--stages", "worker", "--fixture-yaml", str(tiny_model_dir / "cosyvoice2.yaml"), "--name", "ab")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     ab = json.loads((tmp_path / "ab.json").read_text())["stages"]["worker"]["ab"]
-    assert ab["spec"] == "prepare=0" and ab["order"] == "A B A" and ab["b_env"]["VOXBATCH_BENCH_SWITCHES"] == "prepare=0"
-    for r in [*ab["a_runs"], ab["b_run"]]:
+    assert ab["order"] == "A B1 B2 A" and [v["spec"] for v in ab["variants"]] == ["prepare=0", "upload=1"]
+    first, second = ab["variants"]
+    assert first["env"]["VOXBATCH_BENCH_SWITCHES"] == "prepare=0" and "VOXBATCH_BENCH_SWITCHES" not in second["env"]
+    assert second["env"]["VOXBATCH_UPLOAD_THREADS"] == "1"
+    for r in [*ab["a_runs"], first["run"], second["run"]]:
         assert r["done"] == r["segments"] == 4 and r["failed"] == 0
-    assert ab["b_over_a_mean"] > 0
-    assert {"ab_ab_worker.log", "ab_ab_again_worker.log", "ab_worker.log"} <= {p.name for p in tmp_path.iterdir()}
-    assert "voxbatch worker A/B" in (tmp_path / "ab.md").read_text()
+    assert all(v["over_a_mean"] > 0 for v in ab["variants"])
+    assert {"ab_worker.log", "ab_ab1_worker.log", "ab_ab2_worker.log", "ab_ab_again_worker.log"} <= {p.name for p in tmp_path.iterdir()}
+    assert "voxbatch worker A/B (A B1 B2 A)" in (tmp_path / "ab.md").read_text()
