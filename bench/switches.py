@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-ENV = "VOXBATCH_BENCH_SWITCHES"  # 'key=value,...' for the worker processes (read by worker_site/sitecustomize.py)
+ENV = "BENCH_SWITCHES"  # 'key=value,...' for the worker processes (read by worker_site/sitecustomize.py)
 SITE = Path(__file__).resolve().parent / "worker_site"
 
 

@@ -156,7 +156,7 @@ def test_worker_ab_runs_each_variant_between_two_runs_of_the_first(tmp_path, tin
     ab = json.loads((tmp_path / "ab.json").read_text())["stages"]["worker"]["ab"]
     assert ab["order"] == "A B1 B2 A" and [v["spec"] for v in ab["variants"]] == ["prepare=0", "upload=1"]
     first, second = ab["variants"]
-    assert first["env"]["VOXBATCH_BENCH_SWITCHES"] == "prepare=0" and "VOXBATCH_BENCH_SWITCHES" not in second["env"]
+    assert first["env"]["BENCH_SWITCHES"] == "prepare=0" and "BENCH_SWITCHES" not in second["env"]
     assert second["env"]["VOXBATCH_UPLOAD_THREADS"] == "1"
     for r in [*ab["a_runs"], first["run"], second["run"]]:
         assert r["done"] == r["segments"] == 4 and r["failed"] == 0

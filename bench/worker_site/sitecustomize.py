@@ -1,5 +1,5 @@
 """Bench only: on PYTHONPATH of the `voxbatch worker` processes an A/B run starts (bench/switches.py),
-so the switches in VOXBATCH_BENCH_SWITCHES are set in them; Python imports this at every start."""
+so the switches in BENCH_SWITCHES are set in them; Python imports this at every start."""
 
 from bench.switches import apply_from_env
 
