@@ -96,6 +96,11 @@ def test_engine_repeats_alternate_the_order_and_keep_the_median(tmp_path, tiny_m
     for run in engine["runs"].values():
         figures = sorted(x["x_realtime"] for x in run["repeats"])
         assert run["x_realtime"] == figures[0] and run["failed"] == 0
+        # The engine's own timeline, recorded in this process: admitted, decoded, a first row vocoded.
+        t = run["timeline"]
+        assert t["admit_events"] >= 1 and t["llm_session_events"] >= 1 and t["vocode_end_events"] >= 1
+        assert 0 <= t["first_admit_s"] <= t["first_llm_session_s"] <= t["first_vocoder_first_row_s"] <= t["first_vocode_start_s"]
+        assert t["llm_admit_ms_total"] >= 0 and t["llm_place_ms_total"] >= 0
 
 
 def _pyspy() -> str | None:
