@@ -73,7 +73,7 @@ from voxbatch.settings import Settings
 from voxbatch.worker.engine import Engine
 
 from bench import host_speed
-from bench.switches import ENV as SWITCH_ENV, SWITCHES, switched, worker_env
+from bench.switches import ENV as SWITCH_ENV, SWITCHES, parse_switch, switched, worker_env
 from bench.provenance import REPO, commit
 
 SAMPLE_RATE = 24000
@@ -405,6 +405,8 @@ def parse_run(spec: str, switches: bool = False) -> dict[str, str]:
         key, sep, value = part.partition("=")
         if not sep or key not in allowed:
             raise SystemExit(f"bad run spec {spec!r}: use key=value pairs with keys {', '.join(allowed)}")
+        if key in SWITCHES:
+            parse_switch(key, value)  # a bad value stops the bench here, not in a worker it started
         out[key] = value
     return out
 
@@ -949,15 +951,22 @@ class Bench:
         end, which the engine stage cannot see, in the process a user runs."""
         a = self.args
         base = parse_run(a.worker_run)
-        first = self._worker_jobs(base, a.worker_task_sizes, "")
+        t = time.perf_counter()
+        self.official_dir()
+        print(f"  official model folder written in {time.perf_counter() - t:.1f}s", flush=True)
+        corpus = self.tmp / "corpus.txt"
+        corpus.write_text("\n\n".join(s.text for s in self.corpus) + "\n", encoding="utf-8")
+        warm = self.tmp / "warm.txt"
+        warm.write_text("\n\n".join(s.text for s in self.corpus[: a.worker_warm_segments]) + "\n", encoding="utf-8")
+        first = self._worker_jobs(base, a.worker_task_sizes, "", corpus, warm)
         out = {**first, "note": "voxbatch worker process + voxbatch submit + redis-server; wall = job created -> last "
                                 "segment stored (Redis times)"}
         if a.worker_ab:
             size = a.worker_task_sizes[0]
             key = f"tasks_of_{size}"
-            variants = [(spec, self._worker_jobs({**base, **parse_run(spec, switches=True)}, [size], f"_ab{k + 1}"))
+            variants = [(spec, self._worker_jobs({**base, **parse_run(spec, switches=True)}, [size], f"_ab{k + 1}", corpus, warm))
                         for k, spec in enumerate(a.worker_ab)]
-            again = self._worker_jobs(base, [size], "_ab_again")
+            again = self._worker_jobs(base, [size], "_ab_again", corpus, warm)
             xa = [first["runs"][key]["x_realtime"], again["runs"][key]["x_realtime"]]
             out["ab"] = {"order": "A " + " ".join(f"B{k + 1}" for k in range(len(variants))) + " A",
                          "a_runs": [first["runs"][key], again["runs"][key]],
@@ -969,23 +978,18 @@ class Bench:
                       f"(B/A {v['over_a_mean']})", flush=True)
         return out
 
-    def _worker_jobs(self, run: dict[str, str], sizes: list[int], tag: str) -> dict:
-        """One `voxbatch worker` with `run` (settings, and bench switches set in its processes): its warm
-        job, then one measured job per task size in `sizes`. `tag` names its log in --out."""
+    def _worker_jobs(self, run: dict[str, str], sizes: list[int], tag: str, corpus: Path, warm: Path) -> dict:
+        """One `voxbatch worker` with `run` (settings, and bench switches set in its processes): the warm
+        job (file `warm`), then one measured job of `corpus` per task size in `sizes`. `tag` names its
+        log in --out."""
         from bench.worker_run import WorkerHarness
         from voxbatch.worker import timeline
 
         a = self.args
-        t = time.perf_counter()
         # The worker logs when its engine admits, decodes and vocodes (voxbatch/worker/timeline.py): each
         # job's result gets its first admission / decode / audio beside the GPU utilisation samples.
         env = {**self.engine_env(run), "VOXBATCH_TIMELINE_LOG": "true"}
         switches = worker_env(run, os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-        print(f"  official model folder written in {time.perf_counter() - t:.1f}s", flush=True)
-        corpus = self.tmp / "corpus.txt"
-        corpus.write_text("\n\n".join(s.text for s in self.corpus) + "\n", encoding="utf-8")
-        warm = self.tmp / "warm.txt"
-        warm.write_text("\n\n".join(s.text for s in self.corpus[: a.worker_warm_segments]) + "\n", encoding="utf-8")
         harness = WorkerHarness(self.tmp, {**env, **switches}, a.redis_server)
         runs = {}
         try:
@@ -1415,20 +1419,21 @@ def main() -> None:
     unknown = [s for s in args.stages if s not in STAGES]
     if unknown:
         ap.error(f"unknown stage(s) {', '.join(unknown)}; stages are {', '.join(STAGES)}")
-    for spec in args.engine_runs:
-        parse_run(spec, switches=True)
+    try:  # every spec checked before any stage runs; a bad one is a usage error (exit 2)
+        for spec in args.engine_runs + args.worker_ab:
+            parse_run(spec, switches=True)
+        for spec in (args.worker_run, args.invariance_run):
+            parse_run(spec)
+        for spec in args.vllm_runs:
+            vllm_run(spec)
+    except SystemExit as e:
+        ap.error(str(e))
     if len(set(args.engine_runs)) != len(args.engine_runs) or args.engine_repeats < 1:
         ap.error("--engine-runs must not repeat a configuration (use --engine-repeats N, N >= 1)")
     if len(set(args.vllm_runs)) != len(args.vllm_runs):
         ap.error("--vllm-runs must not repeat a configuration")
-    for spec in args.vllm_runs:
-        vllm_run(spec)  # a bad spec fails here, not after the stages before it ran
-    parse_run(args.worker_run)
-    for spec in args.worker_ab:
-        parse_run(spec, switches=True)
     if len(set(args.worker_ab)) != len(args.worker_ab):
         ap.error("--worker-ab must not repeat a configuration")
-    parse_run(args.invariance_run)
     if args.pyspy_job_start and shutil.which(args.pyspy_job_start) is None:
         ap.error(f"--pyspy-job-start: no py-spy at {args.pyspy_job_start!r}")
 

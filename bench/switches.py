@@ -71,11 +71,11 @@ def switched(run: dict[str, str]) -> Iterator[None]:
     """The run's SWITCHES set on their modules for the duration (this process)."""
     saved = []
     try:
-        for key, (module, attr, parse) in SWITCHES.items():
+        for key, (module, attr, _) in SWITCHES.items():
             if key in run:
                 mod = importlib.import_module(module)
                 saved.append((mod, attr, getattr(mod, attr)))
-                setattr(mod, attr, parse(run[key]))
+                setattr(mod, attr, parse_switch(key, run[key]))
         yield
     finally:
         for mod, attr, value in saved:
@@ -120,18 +120,30 @@ class _SetOnImport(importlib.abc.MetaPathFinder):
         return spec
 
 
+def parse_switch(key: str, value: str) -> object:
+    """The value switch `key` sets; SystemExit naming the switch for an unknown key or a bad value (the
+    bench checks every spec this way before it starts anything)."""
+    if key not in SWITCHES:
+        raise SystemExit(f"unknown bench switch {key!r} (switches: {', '.join(SWITCHES)})")
+    try:
+        return SWITCHES[key][2](value)
+    except (KeyError, ValueError) as e:
+        raise SystemExit(f"bench switch {key}={value!r}: not a valid value ({type(e).__name__}: {e})") from None
+
+
 def apply_from_env() -> None:
-    """In a process started with `worker_env`: set its switches on their modules as they are imported."""
+    """In a process started with `worker_env`: set its switches on their modules as they are imported.
+    A bad spec ends the process (SystemExit): a worker that ran without its switch would be measured as
+    the variant it is not."""
     spec = os.environ.get(ENV)
     if not spec:
         return
     settings: dict[str, list[tuple[str, object]]] = {}
     for part in filter(None, spec.split(",")):
         key, _, value = part.partition("=")
-        if key not in SWITCHES:
-            raise SystemExit(f"{ENV}: unknown switch {key!r}")
-        module, attr, parse = SWITCHES[key]
-        settings.setdefault(module, []).append((attr, parse(value)))
+        module, attr, _ = SWITCHES.get(key, (None, None, None))
+        value = parse_switch(key, value)
+        settings.setdefault(module, []).append((attr, value))
     for module, values in settings.items():
         if module in sys.modules:  # already imported: set now
             for attr, value in values:

@@ -168,3 +168,14 @@ def test_worker_ab_runs_each_variant_between_two_runs_of_the_first(tmp_path, tin
     assert all(v["over_a_mean"] > 0 for v in ab["variants"])
     assert {"ab_worker.log", "ab_ab1_worker.log", "ab_ab2_worker.log", "ab_ab_again_worker.log"} <= {p.name for p in tmp_path.iterdir()}
     assert "voxbatch worker A/B (A B1 B2 A)" in (tmp_path / "ab.md").read_text()
+
+
+def test_a_bad_switch_value_stops_the_bench_and_any_process_started_with_it(tmp_path):
+    """A switch's value is checked before any stage runs (usage error, exit 2), and a process started
+    with a bad one ends at start-up rather than running as the variant it is not."""
+    out = bench(tmp_path, "--tiny", "--device", "cpu", "--stages", "worker", "--worker-ab", "start_div=abc", timeout=120)
+    assert out.returncode == 2 and "bench switch start_div='abc'" in out.stderr
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "bench" / "worker_site"), str(REPO)]),
+           "BENCH_SWITCHES": "start_div=abc"}
+    proc = subprocess.run([sys.executable, "-c", "print('ran')"], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "ran" not in proc.stdout and "start_div='abc'" in proc.stderr

@@ -191,14 +191,8 @@ class _Feed:
         return batch
 
     def _admit(self, batch: list[SynthesisRequest]) -> list:
-        began = time.perf_counter()
-        try:
-            return self._admitted(batch)
-        finally:  # the LLM thread's host time for this admission: no decode step is launched meanwhile
-            timeline.event("llm_admit_ms", round(1000 * (time.perf_counter() - began)))
-
-    def _admitted(self, batch: list[SynthesisRequest]) -> list:
         s = self.s
+        began = time.perf_counter()
         if s.admit is not None:
             batch = s.admit(batch)
         out = []
@@ -211,6 +205,8 @@ class _Feed:
             self._keys += 1
             self.inflight[self._keys] = item
             out.append((self._keys, item.llm))
+        # The LLM thread's host time for this admission: no decode step is launched meanwhile.
+        timeline.event("llm_admit_ms", round(1000 * (time.perf_counter() - began)))
         return out
 
 
