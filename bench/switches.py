@@ -47,6 +47,7 @@ SWITCHES = {
     "varlen": ("voxbatch.worker.cosyvoice2.flow_estimator", "VARLEN_ATTENTION", _flag),
     "packed": ("voxbatch.worker.cosyvoice2.llm", "PACKED_PREFILL", _flag),
     "merge": ("voxbatch.worker.cosyvoice2.streaming", "TAIL_MERGE", _flag),
+    "llock": ("voxbatch.worker.cosyvoice2.streaming", "LAUNCH_LOCK", _flag),
     "split": ("voxbatch.worker.cosyvoice2.streaming", "TAIL_SPLIT", _flag),
     "gelu": ("voxbatch.worker.cosyvoice2.flow_estimator", "GELU_EPILOGUE", _flag),
     "source": ("voxbatch.worker.cosyvoice2.hift", "BATCHED_SOURCE", _flag),

@@ -374,3 +374,53 @@ def test_with_nothing_rendering_a_smaller_bucket_starts_the_vocoder(monkeypatch,
     for n in (102, 103):
         vocoder.put(SimpleNamespace(tokens=[0] * n))
     assert vocoder._partial(now, primary=True) is not None  # 4 rows = 16 / 4
+
+
+@pytest.mark.parametrize("lock", [False, True])
+def test_launch_lock_lets_one_vocoder_thread_queue_at_a_time(engine, monkeypatch, lock):
+    """LAUNCH_LOCK: with two flow/HiFT threads, a batch's GPU work is queued by one thread at a time
+    (from its first op until `queued`), while the wait for the host copy overlaps; every segment still
+    sounds as alone. Off, both threads queue at once (the barrier below would time out with the lock)."""
+    from voxbatch.worker.cosyvoice2 import streaming
+
+    monkeypatch.setattr(streaming, "CPU_VOCODER_THREADS", 2)
+    monkeypatch.setattr(streaming, "LAUNCH_LOCK", lock)
+    monkeypatch.setattr(streaming, "IDLE_BATCH_DIV", 1)
+    real = CosyVoice2Engine.vocode
+    inside, most, both = [0], [0], threading.Barrier(2, timeout=2)
+    guard = threading.Lock()
+
+    def vocode(self, items, queued=None):
+        with guard:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        left = [False]
+
+        def done():
+            with guard:
+                if not left[0]:
+                    left[0] = True
+                    inside[0] -= 1
+            if queued is not None:
+                queued()
+        if not lock:  # off, both threads may stand here at once: wait for the other's batch
+            try:
+                both.wait()
+            except threading.BrokenBarrierError:
+                pass
+        try:
+            yield from real(self, items, queued=done)
+        finally:
+            done()
+
+    monkeypatch.setattr(CosyVoice2Engine, "vocode", vocode)
+    batch = mixed(engine, 12)
+    rec = Recorder()
+    t, _ = serve(engine, batch, rec)
+    t.join(120)
+    assert not t.is_alive()
+    for r in batch:
+        res = rec.results[r.segment_id]
+        assert res.error is None, res.error
+        np.testing.assert_allclose(res.audio, alone(engine, r), rtol=0, atol=BATCH_ATOL, err_msg=r.text)
+    assert most[0] == (2 if not lock else 1)

@@ -522,12 +522,16 @@ class CosyVoice2Engine(Engine):
         for key in sorted(buckets, reverse=True):
             yield from self.vocode(buckets[key])
 
-    def vocode(self, items: list[_Item]) -> Iterator[SynthesisResult]:
-        """Finished speech tokens -> audio: one flow batch, per-row speed, one HiFT batch."""
+    def vocode(self, items: list[_Item], queued: Callable[[], None] | None = None) -> Iterator[SynthesisResult]:
+        """Finished speech tokens -> audio: one flow batch, per-row speed, one HiFT batch; `queued` is
+        called once all of the batch's GPU work is queued, before the copy to the host waits for it."""
         started = time.perf_counter()
+        then = queued
 
         def queued() -> None:  # every GPU call of the batch is queued; the host copy waits for them next
             timeline.event("vocode_host_ms", round(1000 * (time.perf_counter() - started)))
+            if then is not None:
+                then()
 
         speeds = [item.request.params.speed for item in items]
         seeds = [item.request.seed for item in items]

@@ -85,6 +85,15 @@ TAIL_MERGE = False
 # 299.2) with vs 299.4x (299.4, 314.2) without (bench/results/gpu_h200_worker13.json). Bench switch `split`.
 TAIL_SPLIT = False
 TAIL_SPLIT_MIN = 8
+# Vocoder threads queue their batches' GPU work one at a time: a thread holds this lock from a batch's
+# first op until all of its flow and HiFT work is queued, then waits for the copy to the host without
+# it. Why it might pay: where two batches start together (a job's end, the LLM done), both threads
+# launch eager ops (the flow encoder, the first Euler step, the capture, HiFT's ~8k launches) and hand
+# the GIL to each other at every op; the GPU read 12-22% for ~0.2 s each time, with both threads
+# "rendering" (bench/results/gpu_h200_worker19.json, tasks of 256: raw utilisation against the
+# timeline). With the lock one thread queues at full speed while the other's queued kernels run.
+# Not measured yet: off until an A/B on the H200 says otherwise (bench switch `llock`).
+LAUNCH_LOCK = False
 LONGEST_FIRST = True  # refill LLM rows with the longest waiting texts first (shorter tail at the end of the work)
 MAX_WAIT_S = 10.0  # ... unless a request has waited this long: then it goes first, whatever its length
 
@@ -222,6 +231,7 @@ class _Vocoder:
         self.pending = 0  # rows handed over and not yet emitted
         self.rendering = 0  # threads rendering a batch now
         self.cv = threading.Condition()
+        self.launch = threading.Lock()  # LAUNCH_LOCK
         self.draining = 0
         self.closing = False
         self.last_observed = time.perf_counter()
@@ -381,8 +391,10 @@ class _Vocoder:
         s = self.s
         timeline.event("vocode_start", len(batch))
         began = time.perf_counter()
+        gate = _LaunchGate(self.launch if LAUNCH_LOCK and len(self.threads) > 1 else None)
         try:
-            results = list(s.engine.vocode(batch))
+            with gate:
+                results = list(s.engine.vocode(batch, queued=gate.release))
         except Exception as e:  # noqa: BLE001 - retried row by row: one bad segment fails alone
             results = []
             for item in batch:
@@ -403,6 +415,27 @@ class _Vocoder:
         if s.observe is not None:  # wall: since the previous batch was out, or since this one's first row
             s.observe(len(batch), audio_s, now - max(self.last_observed, started))
         self.last_observed = now
+
+
+class _LaunchGate:
+    """LAUNCH_LOCK for one batch: held from entry until `release` (all GPU work queued) or exit."""
+
+    def __init__(self, lock: threading.Lock | None):
+        self.lock, self.held = lock, False
+
+    def __enter__(self) -> "_LaunchGate":
+        if self.lock is not None:
+            self.lock.acquire()
+            self.held = True
+        return self
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self.lock.release()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
 
 
 class StreamingScheduler:
