@@ -334,3 +334,24 @@ def test_in_place_cuda_draws_are_the_dense_draws(tiny_model_dir):
     assert torch.equal(drawn[True].phase0, drawn[False].phase0)
     assert torch.equal(drawn[True].noise, drawn[False].noise)
     assert drawn[True].noise[0, lengths[0]:].abs().max().item() == 0.0
+
+
+@torch.inference_mode()
+def test_f0_rows_padded_to_a_quantum_give_the_same_f0_and_a_row_alone_the_same_bits(hift, ref, monkeypatch):
+    """F0_FRAME_QUANTUM: each row's F0 run zero-padded to a multiple of the quantum (its shape recurs,
+    so cuDNN's plans are reused) is the row's own-length F0 within rounding, zero past the row, with
+    the batch's padding (not zero here) hidden; and a row alone, its mel padded to the batch's width,
+    gives the same F0 bit for bit as in the batch (both run the same padded shape)."""
+    from voxbatch.worker.cosyvoice2 import hift as hift_mod
+
+    _, padded, lengths = _batch(ref)
+    host = lengths.tolist()
+    exact = hift.f0(padded, host)
+    monkeypatch.setattr(hift_mod, "F0_FRAME_QUANTUM", 32)
+    quant = hift.f0(padded, host)
+    assert quant.shape == exact.shape
+    assert _maxabs(quant, exact) <= 1e-4 * max(1.0, exact.abs().max().item())
+    for i, n in enumerate(host):
+        assert quant[i, n:].abs().max().item() == 0.0 if n < padded.shape[2] else True
+        alone = hift.f0(padded[i : i + 1], [n])
+        assert torch.equal(alone[0, :n], quant[i, :n])

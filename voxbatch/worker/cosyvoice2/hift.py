@@ -110,6 +110,19 @@ def length_mask(lengths: torch.Tensor, max_len: int, dtype: torch.dtype) -> torc
 # ---------------------------------------------------------------------------------------------
 
 
+# HiFT.f0 runs each row zero-padded to a multiple of this many frames (1: at its own length). Why: the
+# row loop calls the predictor's 5 convolutions per row, and cuDNN builds an execution plan for each
+# convolution shape it has not met (PyTorch caches them per exact shape). At each row's own length
+# nearly every row meets new shapes: in a B=128 HiFT batch 717 convolution calls took 246 ms of host
+# time (343 us each) against 433 ms of GPU time for the whole batch (bench/results/
+# gpu_h200_worker12b_profile.txt), and at a job's end, with the LLM done, batches of 11-40 rows took
+# ~1 s each with the GPU at 12-44% (gpu_h200_worker19.json). At a multiple of 32 frames (HiFT batches'
+# own quantum, engine.HIFT_FRAME_QUANTUM, so a row alone and in a batch run the same shape) a corpus
+# meets a few dozen widths. Not measured yet: off until an A/B on the H200 says otherwise (bench
+# switch `f0_quantum`).
+F0_FRAME_QUANTUM = 1
+
+
 class F0Predictor(nn.Module):
     """ConvRNNF0Predictor: mel (B, 80, T_mel) -> F0 in Hz (B, T_mel)."""
 
@@ -461,16 +474,23 @@ class HiFTGenerator(nn.Module):
         sample, so the last-bit differences a batched convolution may pick (another kernel or
         blocking for another shape) would grow to ~1e-4 in the source; run alone, a row's F0 is
         bit-identical to its one-at-a-time F0. The predictor is small and at the frame rate.
+        With F0_FRAME_QUANTUM > 1 a row runs zero-padded to a multiple of it (masked after each
+        convolution, so the same F0 within rounding): its shape then recurs across rows and batches.
         """
         dtype = self.f0_predictor.classifier.weight.dtype  # fp32 as load_hift leaves it
         mel = mel.to(dtype)
         B, _, T_mel = mel.shape
-        if B == 1:
+        if B == 1 and F0_FRAME_QUANTUM == 1:
             return self.f0_predictor(mel, length_mask(split_lengths(mel_lengths, B, T_mel, mel.device)[0], T_mel, dtype))
         f0 = mel.new_zeros(B, T_mel)
         for b, n in enumerate(host_lengths(mel_lengths, B, T_mel)):
+            width = -(-n // F0_FRAME_QUANTUM) * F0_FRAME_QUANTUM
             row = mel[b : b + 1, :, :n]
-            f0[b, :n] = self.f0_predictor(row, row.new_ones(1, 1, n))[0]
+            mask = row.new_ones(1, 1, width)
+            if width > n:
+                row = F.pad(row, (0, width - n))  # (1, 80, width), zeros past n
+                mask[:, :, n:] = 0
+            f0[b, :n] = self.f0_predictor(row, mask)[0, :n]
         return f0
 
     def source(
