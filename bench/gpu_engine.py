@@ -337,6 +337,19 @@ def busy_pct(summary: dict | None) -> float | None:
     return summary[sorted(summary)[0]]["mean_pct"]
 
 
+def busy_by_llm_phase(util: "GpuUtilisation", start: float, end: float, llm_done_s: float | None, lag_s: float = 0.0) -> dict:
+    """GPU busy while the LLM had work and over the job's vocoder-only tail (from the timeline's last
+    `llm_done`, seconds after `start`, to `end`; unix times, the readings' window moved by the
+    utilisation lag where measured): the tail is where flow/HiFT batches alone must keep the GPU fed
+    (in gpu_h200_worker19.json its readings fell to 12-44% where two batches started together)."""
+    if llm_done_s is None:
+        return {}
+    cut = start + llm_done_s
+    return {"vocoder_tail_s": round(end - cut, 3),
+            "gpu_busy_pct_llm_phase": busy_pct(util.summary(window=(start + lag_s, cut + lag_s))),
+            "gpu_busy_pct_vocoder_tail": busy_pct(util.summary(window=(cut + lag_s, end + lag_s)))}
+
+
 class JobStartSpy:
     """py-spy sampling the worker process, GIL holders only, over a job's start (`--pyspy-job-start`):
     who holds the GIL while the worker takes a job in and its GPU idles (the timeline's GIL probe says
@@ -497,6 +510,7 @@ def run_pipeline(engine: Engine, texts: list[str], storage_root: Path, settings:
         "job_state": getattr(status, "state", None),
         "gpu_utilisation": busy,
         "gpu_busy_pct": busy_pct(busy),
+        **busy_by_llm_phase(util, started, started + wall, events["last_llm_done_s"]),
         "timeline": events,
     }
 
@@ -1034,9 +1048,13 @@ class Bench:
                     res.update(utilisation_lag=lag, gpu_busy_pct_lag_aligned=busy_pct(util.summary(window=shifted)))
                 log_lines = harness.log.read_text(errors="replace").splitlines()
                 res["timeline"] = timeline.summary(timeline.read(log_lines, res["created_at"], res["finished_at"]))
+                res.update(busy_by_llm_phase(util, res["created_at"], res["finished_at"], res["timeline"]["last_llm_done_s"],
+                                             lag["lag_s"] if lag and lag["lag_s"] else 0.0))
                 runs[f"tasks_of_{size}"] = res
                 print(f"  worker tasks of {size}: {res['x_realtime']:.1f}x realtime, wall {wall:.1f}s, "
-                      f"GPU busy {res['gpu_busy_pct']}% ({res.get('gpu_busy_pct_lag_aligned')}% lag-aligned), done {res['done']}, failed {res['failed']}", flush=True)
+                      f"GPU busy {res['gpu_busy_pct']}% ({res.get('gpu_busy_pct_lag_aligned')}% lag-aligned; "
+                      f"{res.get('gpu_busy_pct_vocoder_tail')}% over the {res.get('vocoder_tail_s')} s after the LLM's last row), "
+                      f"done {res['done']}, failed {res['failed']}", flush=True)
                 if res["failed"]:
                     raise RuntimeError(f"worker run with tasks of {size}: {res['failed']} segments failed: {res['errors']}")
         finally:
@@ -1279,6 +1297,11 @@ def parts_lines(parts: dict) -> list[str]:
     return lines
 
 
+def _tail(r: dict) -> str:
+    """A run's GPU busy over its vocoder-only tail and the tail's length, for the .md tables."""
+    return f"{r['gpu_busy_pct_vocoder_tail']} ({r['vocoder_tail_s']})" if r.get("vocoder_tail_s") is not None else "-"
+
+
 def table(results: dict) -> str:
     st = results["stages"]
     env = results["environment"]
@@ -1315,22 +1338,23 @@ def table(results: dict) -> str:
     base = st.get("baseline")
     if wk or en or base:
         lines += ["## End to end", "",
-                  "| path | run | segments | audio s | wall s | x real time | GPU busy % | failed |", "|---|---|---|---|---|---|---|---|"]
+                  "| path | run | segments | audio s | wall s | x real time | GPU busy % | GPU busy % after the LLM's last row (s) | failed |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for k, r in wk.items():
             lines.append(f"| voxbatch worker (Celery + Redis + submit) | {k} ({r.get('of_first_pct')}% of the first) | {r['segments']} | "
-                         f"{r['audio_s']} | {r['wall_s']} | {r['x_realtime']} | {r.get('gpu_busy_pct')} | {r['failed']} |")
+                         f"{r['audio_s']} | {r['wall_s']} | {r['x_realtime']} | {r.get('gpu_busy_pct')} | {_tail(r)} | {r['failed']} |")
         ab = st.get("worker", {}).get("ab")
         if ab:
             rows = [("A", ab["a_runs"][0])] + [(f"B: {v['spec']} (B/A {v['over_a_mean']})", v["run"]) for v in ab["variants"]]
             for label, r in rows + [("A again", ab["a_runs"][1])]:
                 lines.append(f"| voxbatch worker A/B ({ab['order']}) | {label} | {r['segments']} | "
-                             f"{r['audio_s']} | {r['wall_s']} | {r['x_realtime']} | {r.get('gpu_busy_pct')} | {r['failed']} |")
+                             f"{r['audio_s']} | {r['wall_s']} | {r['x_realtime']} | {r.get('gpu_busy_pct')} | {_tail(r)} | {r['failed']} |")
         for k, r in en.items():
             lines.append(f"| engine through the Pipeline (no broker) | {k} | {r['segments']} | {r['audio_s']} | {r['wall_s']} | "
-                         f"{r['x_realtime']} | {r.get('gpu_busy_pct')} | {r['failed']} |")
+                         f"{r['x_realtime']} | {r.get('gpu_busy_pct')} | {_tail(r)} | {r['failed']} |")
         if base and "wall_s" in base:
             lines.append(f"| baseline: one at a time, LLM fp32 step loop, flow fp16 autocast, HiFT fp32 | - | {base['segments']} | "
-                         f"{base['audio_s']} | {base['wall_s']} | {base['x_realtime']} | - | - |")
+                         f"{base['audio_s']} | {base['wall_s']} | {base['x_realtime']} | - | - | - |")
         lines.append("")
     rd = st.get("render")
     if rd and "wall_s" in rd:

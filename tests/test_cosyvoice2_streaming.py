@@ -424,3 +424,27 @@ def test_launch_lock_lets_one_vocoder_thread_queue_at_a_time(engine, monkeypatch
         assert res.error is None, res.error
         np.testing.assert_allclose(res.audio, alone(engine, r), rtol=0, atol=BATCH_ATOL, err_msg=r.text)
     assert most[0] == (2 if not lock else 1)
+
+
+def test_the_llm_running_out_of_work_is_a_timeline_event(engine):
+    """`llm_done`: logged when the LLM hands over its last row with nothing waiting; after the last
+    one the job has only flow/HiFT left (no admission, no refill), and every batch still ends."""
+    from voxbatch.worker import timeline
+
+    batch = mixed(engine, 6)
+    rec = Recorder()
+    with timeline.recording() as lines:
+        t, intake = serve(engine, batch, rec, close=False)
+        deadline = time.time() + 120
+        while len(rec.results) < len(batch) and time.time() < deadline:
+            time.sleep(0.05)
+        intake.put(None)
+        t.join(60)
+    assert len(rec.results) == len(batch)
+    events = timeline.read(lines, 0, time.time() + 1)
+    kinds = [e for _, e, _ in events]
+    assert "llm_done" in kinds
+    last = len(kinds) - 1 - kinds[::-1].index("llm_done")
+    assert not {"admit", "llm_session", "llm_refill"} & set(kinds[last:])
+    assert kinds.count("vocode_start") == kinds.count("vocode_end") >= 1
+    assert timeline.summary(events)["last_llm_done_s"] == round(events[last][0], 3)

@@ -2,7 +2,8 @@
 
 With `settings.timeline_log` the logger `voxbatch.timeline` writes one INFO line per engine event:
 segments admitted to the engine, an LLM decode session started or refilled, a finished row reaching
-an empty vocoder, a flow/HiFT batch started and finished. Each line ends in `timeline <event> <count>
+an empty vocoder, the LLM out of work (its last row handed over, nothing waiting: `llm_done`), a
+flow/HiFT batch started and finished. Each line ends in `timeline <event> <count>
 <unix time>`. The GPU benchmark's worker stage reads them back from the worker's log and sets each
 job's first admission, first decode and first audio beside its GPU utilisation samples: the GPU sat
 idle for the first 0.4-1.0 s of every job (bench/results/gpu_h200_worker5.json), and these say which
@@ -38,7 +39,7 @@ from collections.abc import Iterator
 log = logging.getLogger("voxbatch.timeline")
 log.setLevel(logging.WARNING)  # off until `configure(True)`
 LINE = re.compile(r"timeline (\w+) (\d+) ([0-9.]+)$")
-EVENTS = ("admit", "llm_session", "llm_refill", "vocoder_first_row", "vocode_start", "vocode_end")
+EVENTS = ("admit", "llm_session", "llm_refill", "vocoder_first_row", "llm_done", "vocode_start", "vocode_end")
 GC_EVENTS = ("gc1", "gc2")  # count = the pause in milliseconds
 # The LLM thread's host time (count = milliseconds) to take segments in (the pipeline's attempt count
 # and the engine's item for each) and to place them in cache rows (checks and prefill launches): no
@@ -125,16 +126,19 @@ def read(lines, start: float, end: float) -> list[tuple[float, str, int]]:
 
 
 def summary(events: list[tuple[float, str, int]]) -> dict[str, float | int | None]:
-    """First time of each event kind (seconds since the job's start), how many of each, the garbage
+    """First time of each event kind (seconds since the job's start), the last time the LLM ran out of
+    work (`last_llm_done_s`: the job's vocoder-only tail starts there), how many of each, the garbage
     collections' pauses (total and longest, ms), the GIL probe's delays (mean, 90th percentile and
     the worst window, microseconds) and the vocoder batches' host share (their queueing time over
     their wall time, summed over the job's batches)."""
     first = {name: next((round(t, 3) for t, e, _ in events if e == name), None) for name in EVENTS}
+    done = [t for t, e, _ in events if e == "llm_done"]
     pauses = [n for _, e, n in events if e in GC_EVENTS]
     gil = sorted(n for _, e, n in events if e == "gil")
     host = sum(n for _, e, n in events if e == "vocode_host_ms")
     wall = sum(n for _, e, n in events if e == "vocode_ms")
     return {**{f"first_{name}_s": t for name, t in first.items()},
+            "last_llm_done_s": round(done[-1], 3) if done else None,  # from here on only flow/HiFT run
             **{f"{name}_events": sum(1 for _, e, _ in events if e == name) for name in EVENTS + GC_EVENTS},
             "gc_pause_ms": sum(pauses), "gc_longest_ms": max(pauses, default=0),
             "gil_wait_us_mean": round(sum(gil) / len(gil)) if gil else None,

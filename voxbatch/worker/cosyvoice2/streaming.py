@@ -485,6 +485,8 @@ class StreamingScheduler:
             return
         item.tokens = tokens
         self.vocoder.put(item)
+        if not self.feed.inflight and not self.intake.qsize():  # the LLM is out of work: flow/HiFT alone from here
+            timeline.event("llm_done", 0)
 
     def _one_at_a_time(self) -> None:
         self.vocoder.drain()
