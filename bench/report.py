@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -359,9 +360,47 @@ def scaling_block(results: dict[str, dict]) -> str:
         *table(["GPU", "LLM backend", "in flight", "RTF (aggregate)", "× real time", "segments/s", "file"], rows), ""])
 
 
+# Docs/scaling.md's worked example: the audio a team asks for in one night, the night and the share of it a GPU
+# synthesizes (an assumption, stated there), and the fleet size for the other way round.
+EXAMPLE_AUDIO_HOURS, EXAMPLE_WINDOW_H, EXAMPLE_UTILISATION, EXAMPLE_FLEET = 2000, 8, 0.8, 1000
+
+
+def scaling_example_block(results: dict[str, dict]) -> str:
+    """The worked example and the per-GPU segment rate, from the headline's first worker run (the
+    table's figure), so that the arithmetic follows the table when a new result lands."""
+    name, r = headline_result(results)
+    run = next(iter(r["stages"]["worker"]["runs"].values()))
+    gpu = r["headline"]["gpu"].removeprefix("NVIDIA ")
+    rtf, x = run["wall_s"] / run["audio_s"], run["x_realtime"]
+    need = EXAMPLE_AUDIO_HOURS * rtf / (EXAMPLE_WINDOW_H * EXAMPLE_UTILISATION)
+    gpus = max(1, math.ceil(need))
+    at = EXAMPLE_AUDIO_HOURS * rtf / (EXAMPLE_WINDOW_H * gpus)
+    fleet_hours = EXAMPLE_FLEET * x * EXAMPLE_WINDOW_H * EXAMPLE_UTILISATION
+    return "\n".join([
+        f"Worked example (arithmetic on `{name}`, tasks of {run['task_size']}): {EXAMPLE_AUDIO_HOURS:,} audio hours in "
+        f"{EXAMPLE_WINDOW_H} hours at {EXAMPLE_UTILISATION} utilisation needs "
+        f"`{EXAMPLE_AUDIO_HOURS} × {rtf:.5f} / ({EXAMPLE_WINDOW_H} × {EXAMPLE_UTILISATION}) = {need:.2f}`, so "
+        f"**{gpus} {gpu}{'s' if gpus > 1 else ''}** (at {at:.2f} utilisation). The other way round, {EXAMPLE_FLEET:,} "
+        f"{gpu}s produce `{EXAMPLE_FLEET} × {x} × {EXAMPLE_WINDOW_H} h × {EXAMPLE_UTILISATION} ≈ "
+        f"{fleet_hours / 1e6:.2f} million audio hours` per night. Machines differ by up to 20% in LLM speed on "
+        f"unchanged code (BENCHMARKS.md), so plan with a margin.", ""])
+
+
+def scaling_load_block(results: dict[str, dict]) -> str:
+    """Segments per second per GPU, the load Redis and S3 see, from the same run as the worked example."""
+    name, r = headline_result(results)
+    run = next(iter(r["stages"]["worker"]["runs"].values()))
+    gpu, x = r["headline"]["gpu"].removeprefix("NVIDIA "), run["x_realtime"]
+    mean_s = r["corpus"]["audio_s_min_mean_max"][1]
+    return "\n".join([
+        f"Redis and S3 work is per segment, so their load is `GPUs × {x} / mean_segment_s` segments per second: "
+        f"**{x / mean_s:.1f} segments/s per {gpu}** at the measured run's {mean_s}-s mean (`{name}`).", ""])
+
+
 # -- the files --------------------------------------------------------------------------------------------------
 
-BLOCKS = {"headline": headline_block, "gpu-stages": gpu_stages_block, "scaling-gpu": scaling_block}
+BLOCKS = {"headline": headline_block, "gpu-stages": gpu_stages_block, "scaling-gpu": scaling_block,
+          "scaling-example": scaling_example_block, "scaling-load": scaling_load_block}
 FILES = ("BENCHMARKS.md", "docs/scaling.md")
 
 

@@ -82,7 +82,7 @@ def test_every_real_time_figure_in_a_generated_block_is_in_a_result():
     figures = x_realtime_figures()
     blocks = {name: body for path in ("BENCHMARKS.md", "docs/scaling.md")
               for name, body in BLOCK.findall((REPO / path).read_text(encoding="utf-8"))}
-    assert {"headline", "gpu-stages", "scaling-gpu"} <= set(blocks)
+    assert {"headline", "gpu-stages", "scaling-gpu", "scaling-example", "scaling-load"} <= set(blocks)
     checked = 0
     for name, body in blocks.items():
         for cell in real_time_cells(body):
