@@ -1053,7 +1053,8 @@ class Bench:
                 runs[f"tasks_of_{size}"] = res
                 print(f"  worker tasks of {size}: {res['x_realtime']:.1f}x realtime, wall {wall:.1f}s, "
                       f"GPU busy {res['gpu_busy_pct']}% ({res.get('gpu_busy_pct_lag_aligned')}% lag-aligned; "
-                      f"{res.get('gpu_busy_pct_vocoder_tail')}% over the {res.get('vocoder_tail_s')} s after the LLM's last row), "
+                      f"{res.get('gpu_busy_pct_vocoder_tail')}% over the {res.get('vocoder_tail_s')} s after the LLM's last row, "
+                      f"{res['timeline']['vocode_paired_starts']} paired batch starts), "
                       f"done {res['done']}, failed {res['failed']}", flush=True)
                 if res["failed"]:
                     raise RuntimeError(f"worker run with tasks of {size}: {res['failed']} segments failed: {res['errors']}")
@@ -1298,8 +1299,14 @@ def parts_lines(parts: dict) -> list[str]:
 
 
 def _tail(r: dict) -> str:
-    """A run's GPU busy over its vocoder-only tail and the tail's length, for the .md tables."""
-    return f"{r['gpu_busy_pct_vocoder_tail']} ({r['vocoder_tail_s']})" if r.get("vocoder_tail_s") is not None else "-"
+    """A run's GPU busy over its vocoder-only tail, the tail's length, its flow/HiFT batches and how
+    often two batches started together (timeline.PAIRED_START_S) in the job, for the .md tables."""
+    if r.get("vocoder_tail_s") is None:
+        return "-"
+    tl = r.get("timeline") or {}
+    batches = tl.get("vocode_tail_batches")
+    more = f"; batches {batches}, {tl['vocode_paired_starts']} paired starts" if batches is not None else ""
+    return f"{r['gpu_busy_pct_vocoder_tail']} ({r['vocoder_tail_s']} s{more})"
 
 
 def table(results: dict) -> str:
@@ -1338,7 +1345,7 @@ def table(results: dict) -> str:
     base = st.get("baseline")
     if wk or en or base:
         lines += ["## End to end", "",
-                  "| path | run | segments | audio s | wall s | x real time | GPU busy % | GPU busy % after the LLM's last row (s) | failed |",
+                  "| path | run | segments | audio s | wall s | x real time | GPU busy % | GPU busy % after the LLM's last row (s; its batches, paired starts) | failed |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for k, r in wk.items():
             lines.append(f"| voxbatch worker (Celery + Redis + submit) | {k} ({r.get('of_first_pct')}% of the first) | {r['segments']} | "

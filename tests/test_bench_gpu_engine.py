@@ -104,6 +104,11 @@ def test_engine_repeats_alternate_the_order_and_keep_the_median(tmp_path, tiny_m
         # The LLM ran out of work before the job's end: from there flow/HiFT alone (the vocoder-only tail).
         assert t["first_llm_session_s"] <= t["last_llm_done_s"] <= run["wall_s"]
         assert run["vocoder_tail_s"] == pytest.approx(run["wall_s"] - t["last_llm_done_s"], abs=0.01)
+        # Every batch is in the tail or before it; the tail's rows are at most the job's.
+        assert len(t["vocode_tail_batches"]) <= t["vocode_start_events"] and sum(t["vocode_tail_batches"]) <= 4
+        assert 0 <= t["vocode_paired_starts"] < t["vocode_start_events"]
+    md = (tmp_path / "gpu_engine.md").read_text()
+    assert "paired starts" in md
 
 
 def _pyspy() -> str | None:

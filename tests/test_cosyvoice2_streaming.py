@@ -448,3 +448,50 @@ def test_the_llm_running_out_of_work_is_a_timeline_event(engine):
     assert not {"admit", "llm_session", "llm_refill"} & set(kinds[last:])
     assert kinds.count("vocode_start") == kinds.count("vocode_end") >= 1
     assert timeline.summary(events)["last_llm_done_s"] == round(events[last][0], 3)
+
+
+def test_the_primary_vocoder_stream_can_run_ahead_with_the_llm_still_first(monkeypatch):
+    """PRIMARY_VOCODER_PRIORITY: off, every vocoder stream at CUDA's default priority (0); on, the
+    primary thread's at it, the others at 0, and the LLM's stream stays above both."""
+    from voxbatch.worker.cosyvoice2 import streaming
+
+    monkeypatch.setattr(streaming, "PRIMARY_VOCODER_PRIORITY", None)
+    assert streaming.vocoder_stream_priority(True) == streaming.vocoder_stream_priority(False) == 0
+    assert streaming.llm_stream_priority() == streaming.LLM_STREAM_PRIORITY
+    monkeypatch.setattr(streaming, "PRIMARY_VOCODER_PRIORITY", -1)
+    assert (streaming.vocoder_stream_priority(True), streaming.vocoder_stream_priority(False)) == (-1, 0)
+    assert streaming.llm_stream_priority() < -1
+    monkeypatch.setattr(streaming, "LLM_STREAM_PRIORITY", -3)  # already above: kept
+    assert streaming.llm_stream_priority() == -3
+
+
+@pytest.mark.gpu
+def test_vocoder_threads_render_on_streams_of_their_priority_on_gpu(tiny_model_dir, storage_dir, monkeypatch):  # noqa: F811
+    """On CUDA, with PRIMARY_VOCODER_PRIORITY set, the primary vocoder thread's batches run on a
+    stream of that priority and the other thread's at 0; every segment renders."""
+    from voxbatch.worker.cosyvoice2 import streaming
+
+    monkeypatch.setattr(streaming, "PRIMARY_VOCODER_PRIORITY", -1)
+    monkeypatch.setattr(streaming, "IDLE_BATCH_DIV", 1)
+    settings = Settings(engine="cosyvoice2", model_dir=str(tiny_model_dir), storage_url=storage_dir.as_uri(),
+                        engine_max_batch=MAX_BATCH, engine_flow_batch=2, llm_device="cuda:0")
+    gpu = CosyVoice2Engine.from_settings(settings)
+    real = CosyVoice2Engine.vocode
+    seen: dict[str, set[int]] = {}
+
+    def vocode(self, items, queued=None):
+        seen.setdefault(threading.current_thread().name, set()).add(torch.cuda.current_stream().priority)
+        yield from real(self, items, queued=queued)
+
+    monkeypatch.setattr(CosyVoice2Engine, "vocode", vocode)
+    try:
+        batch = mixed(gpu, 12)
+        rec = Recorder()
+        t, _ = serve(gpu, batch, rec)
+        t.join(300)
+        assert not t.is_alive()
+        assert all(rec.results[r.segment_id].error is None for r in batch)
+        assert seen.get("flow-hift-0") == {-1}, seen
+        assert seen.get("flow-hift-1", {0}) == {0}, seen  # the second thread may have had nothing to take
+    finally:
+        gpu.llm.close()

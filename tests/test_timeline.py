@@ -107,6 +107,20 @@ def test_vocoder_host_share_sums_queueing_over_wall_time():
     assert timeline.summary([])["vocode_host_share_pct"] is None and timeline.summary([])["gil_wait_us_mean"] is None
 
 
+def test_batches_starting_together_and_the_tail_batches_are_counted():
+    """Two starts within PAIRED_START_S are a pair (one further apart is not); the tail's
+    batches are those started at or after the LLM's last `llm_done`, earlier ones are not."""
+    gap = timeline.PAIRED_START_S
+    events = [(0.8, "vocode_start", 46), (1.5, "vocode_start", 1), (2.0, "llm_done", 0), (3.0, "llm_done", 0),
+              (3.2, "vocode_start", 15), (4.0, "vocode_start", 40), (4.0 + gap / 2, "vocode_start", 19),
+              (5.0, "vocode_start", 23), (5.0 + 0.9 * gap, "vocode_start", 11), (6.0 + 2 * gap, "vocode_start", 47)]
+    s = timeline.summary(events)
+    assert s["vocode_paired_starts"] == 2
+    assert s["vocode_tail_batches"] == [15, 40, 19, 23, 11, 47]
+    assert timeline.summary(events[:2])["vocode_tail_batches"] == []  # no llm_done: no tail known
+    assert timeline.summary([])["vocode_paired_starts"] == 0
+
+
 def test_llm_thread_host_time_is_summed_and_recorded_in_process():
     """`recording` hands back the lines of the events sent while it runs (no probe thread, off after),
     and the summary sums the LLM thread's admit and place times over the window."""

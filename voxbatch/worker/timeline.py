@@ -125,14 +125,25 @@ def read(lines, start: float, end: float) -> list[tuple[float, str, int]]:
     return sorted(out, key=lambda e: e[0])  # stable: events of the same instant stay in log order
 
 
+# Two flow/HiFT batches whose starts are this close count as starting together (`vocode_paired_starts`).
+# Why: in a job's vocoder-only tail the two vocoder threads' batches ran side by side, ended together
+# and so started together again, and every GPU dip there but the last followed such a pair: both
+# threads doing a batch's host work (eager encoder, first step, capture) with nothing of theirs queued
+# (bench/results/gpu_h200_worker19_worker.log, tasks of 256: 4 pairs within 0.1 s after the LLM's last
+# row, 5 of 6 dips). streaming.LAUNCH_LOCK should pull them apart; this says whether it did.
+PAIRED_START_S = 0.15
+
+
 def summary(events: list[tuple[float, str, int]]) -> dict[str, float | int | None]:
     """First time of each event kind (seconds since the job's start), the last time the LLM ran out of
     work (`last_llm_done_s`: the job's vocoder-only tail starts there), how many of each, the garbage
     collections' pauses (total and longest, ms), the GIL probe's delays (mean, 90th percentile and
     the worst window, microseconds) and the vocoder batches' host share (their queueing time over
-    their wall time, summed over the job's batches)."""
+    their wall time, summed over the job's batches), how often two batches started together, and
+    the sizes of the batches started after the LLM's last row (the vocoder-only tail)."""
     first = {name: next((round(t, 3) for t, e, _ in events if e == name), None) for name in EVENTS}
     done = [t for t, e, _ in events if e == "llm_done"]
+    starts = [(t, n) for t, e, n in events if e == "vocode_start"]
     pauses = [n for _, e, n in events if e in GC_EVENTS]
     gil = sorted(n for _, e, n in events if e == "gil")
     host = sum(n for _, e, n in events if e == "vocode_host_ms")
@@ -145,4 +156,6 @@ def summary(events: list[tuple[float, str, int]]) -> dict[str, float | int | Non
             "gil_wait_us_p90": gil[int(0.9 * (len(gil) - 1))] if gil else None,
             "gil_wait_us_max": gil[-1] if gil else None,
             "vocode_host_share_pct": round(100 * host / wall, 1) if wall else None,
+            "vocode_paired_starts": sum(1 for (a, _), (b, _) in zip(starts, starts[1:]) if b - a <= PAIRED_START_S),
+            "vocode_tail_batches": [n for t, n in starts if done and t >= done[-1]],
             **{f"{name}_total": sum(n for _, e, n in events if e == name) for name in LLM_HOST_EVENTS}}

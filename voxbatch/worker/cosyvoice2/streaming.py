@@ -94,6 +94,17 @@ TAIL_SPLIT_MIN = 8
 # timeline). With the lock one thread queues at full speed while the other's queued kernels run.
 # Not measured yet: off until an A/B on the H200 says otherwise (bench switch `llock`).
 LAUNCH_LOCK = False
+# CUDA stream priority of the primary vocoder thread (None: every vocoder stream at the default, 0);
+# the other threads stay at 0 and the LLM's stream goes one above it if it is not already. Why it
+# might pay: two batches side by side on equal streams advance kernel for kernel, so they end
+# together whatever their sizes (11 and 23 rows both took ~1.05 s, 47 and 75 both ~2.05 s) and the two
+# threads start their next batches' host work together with nothing of theirs queued: 4 such pairs
+# in the vocoder-only tail of the tasks-of-256 job, and a GPU dip after each
+# (bench/results/gpu_h200_worker19_worker.log). With the primary's stream ahead, its batch runs as if
+# alone and the other's kernels fill the SMs it leaves and the gaps of its host work, so the threads
+# fall out of step. CUDA only (torch offers priorities 0 to -3). Not measured yet: off until an A/B on
+# the H200 says otherwise (bench switch `vprio`, e.g. `vprio=-1`).
+PRIMARY_VOCODER_PRIORITY: int | None = None
 LONGEST_FIRST = True  # refill LLM rows with the longest waiting texts first (shorter tail at the end of the work)
 MAX_WAIT_S = 10.0  # ... unless a request has waited this long: then it goes first, whatever its length
 
@@ -102,6 +113,16 @@ def longest_first(text: str) -> int:
     """LONGEST_FIRST's sort key: longer texts (in characters) first. The intake only has the text; the
     benchmark orders its LLM-stage corpus with this same key."""
     return -len(text)
+
+
+def vocoder_stream_priority(primary: bool) -> int:
+    """A vocoder thread's CUDA stream priority (PRIMARY_VOCODER_PRIORITY)."""
+    return PRIMARY_VOCODER_PRIORITY if primary and PRIMARY_VOCODER_PRIORITY is not None else 0
+
+
+def llm_stream_priority() -> int:
+    """The LLM thread's CUDA stream priority: LLM_STREAM_PRIORITY, above every vocoder stream."""
+    return min(LLM_STREAM_PRIORITY, vocoder_stream_priority(True) - 1)
 
 
 def length_bucket(n_tokens: int) -> int:
@@ -373,10 +394,11 @@ class _Vocoder:
 
     def _loop(self, primary: bool = True) -> None:
         engine = self.s.engine
+        priority = vocoder_stream_priority(primary)
         with ExitStack() as stack:
             for dev in {engine.flow.encoder_proj.weight.device, engine.hift.conv_pre.weight.device}:
                 if dev.type == "cuda":
-                    stack.enter_context(torch.cuda.stream(torch.cuda.Stream(dev)))
+                    stack.enter_context(torch.cuda.stream(torch.cuda.Stream(dev, priority=priority)))
             while (nxt := self._next(primary)) is not None:
                 batch, started = nxt
                 try:
@@ -460,7 +482,7 @@ class StreamingScheduler:
             with ExitStack() as stack:
                 dev = getattr(self.engine.llm, "device", None)  # the torch backend's; vLLM keeps its own streams
                 if dev is not None and dev.type == "cuda":
-                    stack.enter_context(torch.cuda.stream(torch.cuda.Stream(dev, priority=LLM_STREAM_PRIORITY)))
+                    stack.enter_context(torch.cuda.stream(torch.cuda.Stream(dev, priority=llm_stream_priority())))
                 self._decode()
         finally:
             self.vocoder.close()
