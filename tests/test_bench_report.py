@@ -91,3 +91,23 @@ def test_every_real_time_figure_in_a_generated_block_is_in_a_result():
                 assert float(m.group(1).replace(",", "")) in figures, f"bench:{name}: {cell} × real time is in no result file"
                 checked += 1
     assert checked >= 4  # the worker runs, the engine run and the baseline at least
+
+
+def test_the_first_table_is_the_newest_h200_worker_result_while_one_is_committed(tmp_path):
+    """A newer worker result from another GPU (a device call that got an H100) leaves the docs as the
+    H200's give them; with no H200 worker result left, the newest other one takes its place."""
+    name = re.search(r"From `bench/results/([\w.-]+\.json)`", (REPO / "BENCHMARKS.md").read_text(encoding="utf-8")).group(1)
+    headline = json.loads((RESULTS / name).read_text())["headline"]
+    assert "H200" in headline["gpu"] and headline["path"] == "worker"
+    results = {p.name: json.loads(p.read_text()) for p in RESULTS.glob("*.json")}
+    other = [n for n, r in results.items() if isinstance(r, dict) and r.get("headline", {}).get("path") == "worker"
+             and "H200" not in str(r["headline"].get("gpu")) and r["when"] > results[name]["when"]]
+    assert other, "this test needs a newer worker result from another GPU among the committed ones"
+    for n in results:
+        shutil.copy(RESULTS / n, tmp_path / n)
+    assert report("--check", "--results", str(tmp_path)).returncode == 0
+    for n, r in results.items():  # every H200 worker result gone: the docs would change
+        if r.get("headline", {}).get("path") == "worker" and "H200" in str(r["headline"].get("gpu")):
+            (tmp_path / n).unlink(missing_ok=True)
+    out = report("--check", "--results", str(tmp_path))
+    assert out.returncode == 1 and "BENCHMARKS.md" in out.stderr

@@ -130,7 +130,8 @@ def read(lines, start: float, end: float) -> list[tuple[float, str, int]]:
 # and so started together again, and every GPU dip there but the last followed such a pair: both
 # threads doing a batch's host work (eager encoder, first step, capture) with nothing of theirs queued
 # (bench/results/gpu_h200_worker19_worker.log, tasks of 256: 4 pairs within 0.1 s after the LLM's last
-# row, 5 of 6 dips). streaming.LAUNCH_LOCK should pull them apart; this says whether it did.
+# row, 5 of 6 dips). Neither streaming.LAUNCH_LOCK nor PRIMARY_VOCODER_PRIORITY pulled them apart
+# (bench/results/gpu_h100_worker20.json: 0-3 pairs a job with or without); kept as a reading.
 PAIRED_START_S = 0.15
 
 

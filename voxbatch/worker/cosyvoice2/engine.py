@@ -132,7 +132,9 @@ GATHER_TO_HIFT = True
 # thread (`CosyVoice2Engine.prepare`), not when the LLM thread takes them: on the H200 the LLM thread
 # took 0.16 s to admit a job's first 48 segments and 0.21 s for the next 208, with no decode step
 # launched meanwhile (bench/results/gpu_h200_worker19_worker.log), and py-spy found the tokenizer in
-# 8-10% of its samples at a job's start (bench/results/diagnostics/). Bench switch `prepare`.
+# 8-10% of its samples at a job's start (bench/results/diagnostics/). Worker on an H100, tasks of 16:
+# the LLM thread's admission 19 and 30 ms a job with it vs 73 ms without, and the rate the same within
+# the noise, 302.7x / 291.2x with vs 293.4x without (bench/results/gpu_h100_worker20.json). Bench switch `prepare`.
 PREPARE_AT_ENQUEUE = True
 
 FLOW_ROWS_MAX = 128  # the fastest flow + HiFT batch measured on an H200 (128 over 64: bench/results/h200_probe1.json)

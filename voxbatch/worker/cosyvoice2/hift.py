@@ -118,8 +118,11 @@ def length_mask(lengths: torch.Tensor, max_len: int, dtype: torch.dtype) -> torc
 # gpu_h200_worker12b_profile.txt), and at a job's end, with the LLM done, batches of 11-40 rows took
 # ~1 s each with the GPU at 12-44% (gpu_h200_worker19.json). At a multiple of 32 frames (HiFT batches'
 # own quantum, engine.HIFT_FRAME_QUANTUM, so a row alone and in a batch run the same shape) a corpus
-# meets a few dozen widths. Not measured yet: off until an A/B on the H200 says otherwise (bench
-# switch `f0_quantum`).
+# meets a few dozen widths. Off: no faster. Worker on an H100, tasks of 16: 292.8x at 32 vs 302.7x /
+# 291.2x at 1 (B/A 0.986; bench/results/gpu_h100_worker20.json). In `voxbatch render` py-spy found the
+# F0 convolutions in ~1.5 s of a vocoder thread's samples (diagnostics/gpu_h100_render2_pyspy.txt),
+# but they are HiFT's first launches after the flow's graph replays, so they are where the thread
+# waits for the launch queue, not plan building. Bench switch `f0_quantum`.
 F0_FRAME_QUANTUM = 1
 
 

@@ -92,7 +92,12 @@ TAIL_SPLIT_MIN = 8
 # the GIL to each other at every op; the GPU read 12-22% for ~0.2 s each time, with both threads
 # "rendering" (bench/results/gpu_h200_worker19.json, tasks of 256: raw utilisation against the
 # timeline). With the lock one thread queues at full speed while the other's queued kernels run.
-# Not measured yet: off until an A/B on the H200 says otherwise (bench switch `llock`).
+# Off: slower. Worker on an H100, tasks of 16, A B.. A: 279.4x with vs 302.7x / 291.2x without (B/A
+# 0.941; with vprio 0.906, with f0_quantum 0.914). The lock did cut a batch's host share from 99% to
+# 53%, but the LLM then ended sooner (3.5 vs 4.7 s) and the vocoder-only tail grew (8.4 vs 6.3 s):
+# a thread held up by the launch queue while holding the lock keeps the other's batch off the GPU, and
+# two batches' kernels side by side fill each other's gaps (bench/results/gpu_h100_worker20.json).
+# Bench switch `llock`.
 LAUNCH_LOCK = False
 # CUDA stream priority of the primary vocoder thread (None: every vocoder stream at the default, 0);
 # the other threads stay at 0 and the LLM's stream goes one above it if it is not already. Why it
@@ -102,8 +107,10 @@ LAUNCH_LOCK = False
 # in the vocoder-only tail of the tasks-of-256 job, and a GPU dip after each
 # (bench/results/gpu_h200_worker19_worker.log). With the primary's stream ahead, its batch runs as if
 # alone and the other's kernels fill the SMs it leaves and the gaps of its host work, so the threads
-# fall out of step. CUDA only (torch offers priorities 0 to -3). Not measured yet: off until an A/B on
-# the H200 says otherwise (bench switch `vprio`, e.g. `vprio=-1`).
+# fall out of step. CUDA only (torch offers priorities 0 to -3). Off: no faster. Worker on an H100,
+# tasks of 16: 291.5x with -1 vs 302.7x / 291.2x without (B/A 0.982), and it left 3 paired starts in
+# the job where A had 0 and 1 (bench/results/gpu_h100_worker20.json); engine A B B A 298.1x, 304.6x
+# with vs 271.7x, 304.6x without (gpu_h100_engine20.json). Bench switch `vprio`, e.g. `vprio=-1`.
 PRIMARY_VOCODER_PRIORITY: int | None = None
 LONGEST_FIRST = True  # refill LLM rows with the longest waiting texts first (shorter tail at the end of the work)
 MAX_WAIT_S = 10.0  # ... unless a request has waited this long: then it goes first, whatever its length
