@@ -374,12 +374,17 @@ def scaling_block(results: dict[str, dict]) -> str:
 EXAMPLE_AUDIO_HOURS, EXAMPLE_WINDOW_H, EXAMPLE_UTILISATION, EXAMPLE_FLEET = 2000, 8, 0.8, 1000
 
 
-def scaling_example_block(results: dict[str, dict]) -> str:
-    """The worked example and the per-GPU segment rate, from the headline's first worker run (the
-    table's figure), so that the arithmetic follows the table when a new result lands."""
+def headline_run(results: dict[str, dict]) -> tuple[str, dict, dict, str]:
+    """The headline result's file name, the result, its first worker run (the tables' figure) and its
+    GPU's name without the vendor."""
     name, r = headline_result(results)
-    run = next(iter(r["stages"]["worker"]["runs"].values()))
-    gpu = r["headline"]["gpu"].removeprefix("NVIDIA ")
+    return name, r, next(iter(r["stages"]["worker"]["runs"].values())), r["headline"]["gpu"].removeprefix("NVIDIA ")
+
+
+def scaling_example_block(results: dict[str, dict]) -> str:
+    """The worked example from the headline's first worker run, so that the arithmetic follows the
+    table when a new result lands."""
+    name, r, run, gpu = headline_run(results)
     rtf, x = run["wall_s"] / run["audio_s"], run["x_realtime"]
     need = EXAMPLE_AUDIO_HOURS * rtf / (EXAMPLE_WINDOW_H * EXAMPLE_UTILISATION)
     gpus = max(1, math.ceil(need))
@@ -397,9 +402,8 @@ def scaling_example_block(results: dict[str, dict]) -> str:
 
 def scaling_load_block(results: dict[str, dict]) -> str:
     """Segments per second per GPU, the load Redis and S3 see, from the same run as the worked example."""
-    name, r = headline_result(results)
-    run = next(iter(r["stages"]["worker"]["runs"].values()))
-    gpu, x = r["headline"]["gpu"].removeprefix("NVIDIA "), run["x_realtime"]
+    name, r, run, gpu = headline_run(results)
+    x = run["x_realtime"]
     mean_s = r["corpus"]["audio_s_min_mean_max"][1]
     return "\n".join([
         f"Redis and S3 work is per segment, so their load is `GPUs × {x} / mean_segment_s` segments per second: "
