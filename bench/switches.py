@@ -51,6 +51,7 @@ SWITCHES = {
     "llock": ("voxbatch.worker.cosyvoice2.streaming", "LAUNCH_LOCK", _flag),
     "vprio": ("voxbatch.worker.cosyvoice2.streaming", "PRIMARY_VOCODER_PRIORITY", int),
     "split": ("voxbatch.worker.cosyvoice2.streaming", "TAIL_SPLIT", _flag),
+    "ahead": ("voxbatch.worker.cosyvoice2.streaming", "VOCODER_LOOKAHEAD", _flag),
     "gelu": ("voxbatch.worker.cosyvoice2.flow_estimator", "GELU_EPILOGUE", _flag),
     "source": ("voxbatch.worker.cosyvoice2.hift", "BATCHED_SOURCE", _flag),
     "draws": ("voxbatch.worker.cosyvoice2.hift", "IN_PLACE_DRAWS", _flag),

@@ -79,13 +79,22 @@ def mixed(engine, n: int, start: int = 0) -> list[SynthesisRequest]:
             for i in range(n)]
 
 
+@pytest.fixture(params=[False, True], ids=["one_batch", "lookahead"])
+def lookahead(request, monkeypatch) -> bool:
+    """The Pipeline contract holds with a vocoder thread's batch of look-ahead (VOCODER_LOOKAHEAD) too."""
+    from voxbatch.worker.cosyvoice2 import streaming
+
+    monkeypatch.setattr(streaming, "VOCODER_LOOKAHEAD", request.param)
+    return request.param
+
+
 def alone(engine, r) -> np.ndarray:
     (res,) = list(engine.synthesize([r]))
     return res.audio
 
 
 @pytest.mark.parametrize("vocoders", [1, 2])
-def test_rows_refill_across_tasks_and_each_segment_sounds_as_alone(engine, monkeypatch, vocoders):
+def test_rows_refill_across_tasks_and_each_segment_sounds_as_alone(engine, monkeypatch, vocoders, lookahead):
     """Also with two flow/HiFT threads (streaming.VOCODER_THREADS, here on a CPU): every segment
     once, as alone."""
     from voxbatch.worker.cosyvoice2 import streaming
@@ -116,7 +125,7 @@ def test_rows_refill_across_tasks_and_each_segment_sounds_as_alone(engine, monke
     assert started == [vocoders]
 
 
-def test_solo_request_renders_with_nothing_else_in_flight(engine):
+def test_solo_request_renders_with_nothing_else_in_flight(engine, lookahead):
     batch = mixed(engine, 3) + [SynthesisRequest("solo", TEXTS[0], "v1", 5, SynthesisParams(max_tokens=8), solo=True)] + mixed(engine, 3, start=10)
     rec = Recorder()
     t, _ = serve(engine, batch, rec)
@@ -129,7 +138,7 @@ def test_solo_request_renders_with_nothing_else_in_flight(engine):
     assert all(kind == "emit" for kind, _ in rec.events[i + 1 : j]) is True and rec.events[i + 1 : j] == []
 
 
-def test_llm_failure_renders_what_was_in_flight_one_at_a_time(engine, monkeypatch):
+def test_llm_failure_renders_what_was_in_flight_one_at_a_time(engine, monkeypatch, lookahead):
     batch = mixed(engine, 5)
     real = type(engine.llm).stream
     calls = {"n": 0}
@@ -154,7 +163,7 @@ def test_llm_failure_renders_what_was_in_flight_one_at_a_time(engine, monkeypatc
         np.testing.assert_allclose(rec.results[r.segment_id].audio, alone(engine, r), rtol=0, atol=BATCH_ATOL)
 
 
-def test_bad_voice_fails_only_its_segment(engine):
+def test_bad_voice_fails_only_its_segment(engine, lookahead):
     good = mixed(engine, 2)
     bad = SynthesisRequest("bad", TEXTS[0], "nobody", 1, SynthesisParams(max_tokens=4))
     rec = Recorder()
@@ -164,7 +173,7 @@ def test_bad_voice_fails_only_its_segment(engine):
     assert all(rec.results[r.segment_id].error is None for r in good)
 
 
-def test_blocked_emit_stops_taking_the_intake(engine):
+def test_blocked_emit_stops_taking_the_intake(engine, lookahead):
     gate = threading.Event()
     rec = Recorder(block=gate)
     batch = mixed(engine, 24)
@@ -177,6 +186,51 @@ def test_blocked_emit_stops_taking_the_intake(engine):
     gate.set()
     t.join(120)
     assert len(rec.results) == 24
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["one_batch", "lookahead"])
+def test_lookahead_queues_the_next_batch_before_waiting_for_the_last(engine, monkeypatch, ahead):
+    """VOCODER_LOOKAHEAD: one vocoder thread launches its next batch before it waits for the previous
+    one's audio (two batches launched and not yet waited for, at some point); off, never more than one.
+    Every segment still sounds as alone, and a batch whose audio fails to arrive is rendered again row
+    by row, so only the row that fails again fails."""
+    from voxbatch.worker.cosyvoice2 import engine as engine_mod
+    from voxbatch.worker.cosyvoice2 import streaming
+
+    monkeypatch.setattr(streaming, "CPU_VOCODER_THREADS", 1)
+    monkeypatch.setattr(streaming, "VOCODER_LOOKAHEAD", ahead)
+    monkeypatch.setattr(streaming, "IDLE_BATCH_DIV", 1)
+    outstanding, most, failed = [0], [0], []
+    real_launch, real_results = CosyVoice2Engine.vocode_launch, engine_mod.VocodedBatch.results
+
+    def vocode_launch(self, items, queued=None):
+        out = real_launch(self, items, queued)
+        outstanding[0] += 1
+        most[0] = max(most[0], outstanding[0])
+        return out
+
+    def results(self):
+        outstanding[0] -= 1
+        if len(self.items) > 1 and not failed:  # the first multi-row batch's audio "never arrives"
+            failed.append([item.request.segment_id for item in self.items])
+            raise RuntimeError("CUDA error: unspecified launch failure (simulated)")
+        return real_results(self)
+
+    monkeypatch.setattr(CosyVoice2Engine, "vocode_launch", vocode_launch)
+    monkeypatch.setattr(engine_mod.VocodedBatch, "results", results)
+    batch = mixed(engine, 12)
+    rec = Recorder()
+    t, _ = serve(engine, batch, rec)
+    t.join(120)
+    assert not t.is_alive()
+    monkeypatch.undo()
+    assert failed, "no multi-row batch"
+    assert sorted(rec.results) == sorted(r.segment_id for r in batch)
+    for r in batch:
+        res = rec.results[r.segment_id]
+        assert res.error is None, res.error
+        np.testing.assert_allclose(res.audio, alone(engine, r), rtol=0, atol=BATCH_ATOL, err_msg=r.text)
+    assert most[0] == (2 if ahead else 1)
 
 
 class TrickleFeed:
@@ -386,11 +440,11 @@ def test_launch_lock_lets_one_vocoder_thread_queue_at_a_time(engine, monkeypatch
     monkeypatch.setattr(streaming, "CPU_VOCODER_THREADS", 2)
     monkeypatch.setattr(streaming, "LAUNCH_LOCK", lock)
     monkeypatch.setattr(streaming, "IDLE_BATCH_DIV", 1)
-    real = CosyVoice2Engine.vocode
+    real = CosyVoice2Engine.vocode_launch
     inside, most, both = [0], [0], threading.Barrier(2, timeout=2)
     guard = threading.Lock()
 
-    def vocode(self, items, queued=None):
+    def vocode_launch(self, items, queued=None):
         with guard:
             inside[0] += 1
             most[0] = max(most[0], inside[0])
@@ -409,11 +463,11 @@ def test_launch_lock_lets_one_vocoder_thread_queue_at_a_time(engine, monkeypatch
             except threading.BrokenBarrierError:
                 pass
         try:
-            yield from real(self, items, queued=done)
+            return real(self, items, queued=done)
         finally:
             done()
 
-    monkeypatch.setattr(CosyVoice2Engine, "vocode", vocode)
+    monkeypatch.setattr(CosyVoice2Engine, "vocode_launch", vocode_launch)
     batch = mixed(engine, 12)
     rec = Recorder()
     t, _ = serve(engine, batch, rec)
@@ -476,14 +530,14 @@ def test_vocoder_threads_render_on_streams_of_their_priority_on_gpu(tiny_model_d
     settings = Settings(engine="cosyvoice2", model_dir=str(tiny_model_dir), storage_url=storage_dir.as_uri(),
                         engine_max_batch=MAX_BATCH, engine_flow_batch=2, llm_device="cuda:0")
     gpu = CosyVoice2Engine.from_settings(settings)
-    real = CosyVoice2Engine.vocode
+    real = CosyVoice2Engine.vocode_launch
     seen: dict[str, set[int]] = {}
 
-    def vocode(self, items, queued=None):
+    def vocode_launch(self, items, queued=None):
         seen.setdefault(threading.current_thread().name, set()).add(torch.cuda.current_stream().priority)
-        yield from real(self, items, queued=queued)
+        return real(self, items, queued=queued)
 
-    monkeypatch.setattr(CosyVoice2Engine, "vocode", vocode)
+    monkeypatch.setattr(CosyVoice2Engine, "vocode_launch", vocode_launch)
     try:
         batch = mixed(gpu, 12)
         rec = Recorder()

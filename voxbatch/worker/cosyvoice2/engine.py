@@ -235,15 +235,46 @@ def time_scale(mel: torch.Tensor, speed: float) -> torch.Tensor:
     return F.interpolate(mel[None], size=frames, mode="linear")[0]
 
 
+class HostCopy:
+    """A device tensor's copy to pinned host memory, queued on the current stream: `numpy()` waits for
+    it (and so for this stream's work before it: flow/HiFT), never for the LLM decoding on another.
+    Queued and waited for apart, a vocoder thread can queue its next batch in between
+    (streaming.VOCODER_LOOKAHEAD)."""
+
+    def __init__(self, t: torch.Tensor):
+        self.ready: torch.cuda.Event | None = None
+        if t.device.type != "cuda":
+            self.host = t
+            return
+        self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        self.host.copy_(t, non_blocking=True)
+        self.ready = torch.cuda.Event()
+        self.ready.record(torch.cuda.current_stream(t.device))
+
+    def numpy(self) -> np.ndarray:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host.numpy()
+
+
 def to_host(t: torch.Tensor) -> np.ndarray:
-    """Device -> host through pinned memory on the current stream: the copy waits only for this
-    stream's work (flow/HiFT), never for the LLM decoding on another."""
-    if t.device.type != "cuda":
-        return t.numpy()
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
-    torch.cuda.current_stream(t.device).synchronize()
-    return host.numpy()
+    """Device -> host through pinned memory on the current stream (`HostCopy`), waited for."""
+    return HostCopy(t).numpy()
+
+
+class VocodedBatch:
+    """A flow/HiFT batch whose GPU work is all queued (`CosyVoice2Engine.vocode_launch`); `results()`
+    waits for its audio to reach the host and cuts it into its rows."""
+
+    def __init__(self, items: list, wav: HostCopy, mel_lens: list[int], samples_per_frame: int):
+        self.items, self.wav, self.mel_lens, self.spf = items, wav, mel_lens, samples_per_frame
+
+    def arrays(self) -> list[np.ndarray]:
+        wav = self.wav.numpy()
+        return [np.ascontiguousarray(wav[i, : n * self.spf]) for i, n in enumerate(self.mel_lens)]
+
+    def results(self) -> list[SynthesisResult]:
+        return [SynthesisResult(item.request, audio) for item, audio in zip(self.items, self.arrays())]
 
 
 _cudnn_lock = threading.Lock()
@@ -527,6 +558,11 @@ class CosyVoice2Engine(Engine):
     def vocode(self, items: list[_Item], queued: Callable[[], None] | None = None) -> Iterator[SynthesisResult]:
         """Finished speech tokens -> audio: one flow batch, per-row speed, one HiFT batch; `queued` is
         called once all of the batch's GPU work is queued, before the copy to the host waits for it."""
+        yield from self.vocode_launch(items, queued).results()
+
+    def vocode_launch(self, items: list[_Item], queued: Callable[[], None] | None = None) -> VocodedBatch:
+        """`vocode` up to the copy to the host: every GPU call of the batch queued on the current
+        stream, nothing waited for; the returned batch's `results()` waits."""
         started = time.perf_counter()
         then = queued
 
@@ -541,11 +577,10 @@ class CosyVoice2Engine(Engine):
             batch = self.mel_batch([item.tokens or [] for item in items], [item.voice for item in items])
             if GATHER_TO_HIFT and all(s == 1.0 for s in speeds):  # the flow's batch to HiFT, realigned in one gather
                 mel, mel_lens = batch.left_aligned(HIFT_FRAME_QUANTUM, self.hift.conv_pre.weight.device)
-                audio = self._waves(mel, mel_lens, seeds, queued)
             else:
-                audio = self.waves(batch.rows(), speeds, seeds, queued)
-        for item, wav in zip(items, audio):
-            yield SynthesisResult(item.request, wav)
+                mel, mel_lens = self._scaled(batch.rows(), speeds)
+            wav = self._waves_launch(mel, mel_lens, seeds, queued)
+        return VocodedBatch(items, wav, mel_lens, self.hift.d.samples_per_frame)
 
     def mels(self, tokens: list[list[int]], voices: list[PreparedVoice]) -> list[torch.Tensor]:
         """One flow batch: B token sequences (each with its voice) -> B mels (80, T_mel_i), on the flow device."""
@@ -569,22 +604,27 @@ class CosyVoice2Engine(Engine):
               queued: Callable[[], None] | None = None) -> list[np.ndarray]:
         """One HiFT batch: B mels -> B waveforms on the host (per-row speed, per-row noise seed);
         `queued` is called once HiFT's GPU work is queued, before the copy to the host waits for it."""
+        mel, mel_lens = self._scaled(mels, speeds)
+        wav = self._waves_launch(mel, mel_lens, seeds, queued)
+        return VocodedBatch([], wav, mel_lens, self.hift.d.samples_per_frame).arrays()
+
+    def _scaled(self, mels: list[torch.Tensor], speeds: list[float]) -> tuple[torch.Tensor, list[int]]:
+        """B mels (80, T_i), each time-scaled by its speed, as one padded batch (B, 80, T_mel) on
+        HiFT's device with the rows' lengths."""
         hift_dev = self.hift.conv_pre.weight.device
         with torch.inference_mode():
             mels = [time_scale(m, s).to(hift_dev) for m, s in zip(mels, speeds)]
             mel_lens = [m.shape[1] for m in mels]
-            mel = _pad([m.transpose(0, 1) for m in mels], mel_lens, HIFT_FRAME_QUANTUM).transpose(1, 2)  # (B, 80, T_mel)
-        return self._waves(mel, mel_lens, seeds, queued)
+            return _pad([m.transpose(0, 1) for m in mels], mel_lens, HIFT_FRAME_QUANTUM).transpose(1, 2), mel_lens
 
-    def _waves(self, mel: torch.Tensor, mel_lens: list[int], seeds: list[int],
-               queued: Callable[[], None] | None = None) -> list[np.ndarray]:
-        """`waves` of a padded batch (B, 80, T_mel) on HiFT's device with its rows' lengths."""
+    def _waves_launch(self, mel: torch.Tensor, mel_lens: list[int], seeds: list[int],
+                      queued: Callable[[], None] | None = None) -> HostCopy:
+        """HiFT over a padded batch (B, 80, T_mel) on its device, rows' lengths on the host: the
+        waveforms (B, T_wav) fp32 on their way to the host, nothing waited for."""
         with torch.inference_mode():
             generators = [torch.Generator(device=mel.device).manual_seed(s) for s in seeds]
-            wav, _ = self.hift.inference(mel, mel_lens, generators)  # (B, T_wav); host lengths: no sync until to_host
+            wav, _ = self.hift.inference(mel, mel_lens, generators)  # (B, T_wav); host lengths: no sync
             wav = wav.float()
             if queued is not None:
                 queued()
-            wav = to_host(wav)
-        spf = self.hift.d.samples_per_frame
-        return [np.ascontiguousarray(wav[i, : n * spf]) for i, n in enumerate(mel_lens)]
+            return HostCopy(wav)

@@ -112,6 +112,19 @@ LAUNCH_LOCK = False
 # the job where A had 0 and 1 (bench/results/gpu_h100_worker20.json); engine A B B A 298.1x, 304.6x
 # with vs 271.7x, 304.6x without (gpu_h100_engine20.json). Bench switch `vprio`, e.g. `vprio=-1`.
 PRIMARY_VOCODER_PRIORITY: int | None = None
+# A vocoder thread queues its next batch before it waits for the last one's audio: once a batch's GPU
+# work is all queued it takes the next batch it may (full buckets, buckets past FLUSH_AFTER_S, all of
+# them once the LLM is nearly done: the secondary thread's rule, since it is not idle), queues that,
+# and only then waits for the first batch's copy to the host and emits it. Why it might pay: a
+# thread's launches run ahead of its stream by the launch queue only (its host share is 99%: it
+# finishes queueing a batch just before the GPU finishes running it), then it waited for the copy,
+# emitted, chose and began the next batch's host work with nothing of its own queued; in the
+# vocoder-only tail, with the other thread at the same point, the GPU dipped there (tail 84-94% busy,
+# bench/results/gpu_h100_worker20.json). With one batch of look-ahead a thread's stream holds work
+# through its turnover. The same stream runs the two batches in order, so memory is the next batch's
+# inputs and the last one's audio more, not a second batch's intermediates. Not measured yet: off
+# until an A/B says otherwise. Bench switch `ahead`.
+VOCODER_LOOKAHEAD = False
 LONGEST_FIRST = True  # refill LLM rows with the longest waiting texts first (shorter tail at the end of the work)
 MAX_WAIT_S = 10.0  # ... unless a request has waited this long: then it goes first, whatever its length
 
@@ -313,16 +326,17 @@ class _Vocoder:
 
     # -- the vocoder thread ----------------------------------------------------------------------------
 
-    def _next(self, primary: bool = True) -> tuple[list, float] | None:
-        """The next batch to run and when its oldest row arrived (blocks); None once closing and empty.
-        A thread that is not the `primary` one leaves partial buckets to it while the LLM has work."""
+    def _next(self, primary: bool = True, wait: bool = True) -> tuple[list, float] | None:
+        """The next batch to run and when its oldest row arrived; None once closing and empty (or, not
+        waiting, when nothing may run now). A thread that is not the `primary` one leaves partial
+        buckets to it while the LLM has work."""
         with self.cv:
             while True:
                 got = self._choose(time.perf_counter(), primary)
                 if got is not None:
                     self.rendering += 1
                     return got
-                if not self.buckets and self.closing:
+                if not wait or not self.buckets and self.closing:
                     return None
                 self.cv.wait(timeout=0.02 if self.buckets else 0.2)
 
@@ -406,44 +420,71 @@ class _Vocoder:
             for dev in {engine.flow.encoder_proj.weight.device, engine.hift.conv_pre.weight.device}:
                 if dev.type == "cuda":
                     stack.enter_context(torch.cuda.stream(torch.cuda.Stream(dev, priority=priority)))
-            while (nxt := self._next(primary)) is not None:
-                batch, started = nxt
-                try:
-                    self._render(batch, started)
-                finally:
+            unfinished: list[tuple] = []  # (batch, started, began, launched), oldest first: queued, not yet emitted
+            try:
+                while True:
+                    # With a batch in flight (VOCODER_LOOKAHEAD) this thread is not idle: the secondary's rule.
+                    nxt = self._next(primary and not unfinished, wait=not unfinished)
+                    if nxt is None and not unfinished:
+                        break  # closing, and nothing left
+                    if nxt is not None:
+                        unfinished.append(self._launch(*nxt))
+                    while unfinished and (len(unfinished) > 1 or nxt is None or not VOCODER_LOOKAHEAD):
+                        self._finish(*unfinished.pop(0))  # its rows stop being pending there, even if it raises
+            finally:
+                for batch, *_ in unfinished:  # the loop died (e.g. `emit` raised): nobody will emit these
                     with self.cv:
                         self.pending -= len(batch)
                         self.rendering -= 1
                         self.cv.notify_all()
 
-    def _render(self, batch: list, started: float) -> None:
-        s = self.s
+    def _launch(self, batch: list, started: float) -> tuple:
+        """Queue a batch's GPU work (`engine.vocode_launch`): (batch, started, began, the queued batch or
+        the exception it raised)."""
         timeline.event("vocode_start", len(batch))
         began = time.perf_counter()
         gate = _LaunchGate(self.launch if LAUNCH_LOCK and len(self.threads) > 1 else None)
         try:
             with gate:
-                results = list(s.engine.vocode(batch, queued=gate.release))
-        except Exception as e:  # noqa: BLE001 - retried row by row: one bad segment fails alone
-            results = []
-            for item in batch:
-                try:
-                    if len(batch) == 1:
-                        raise e
-                    results += list(s.engine.vocode([item]))
-                except Exception as e1:  # noqa: BLE001
-                    results.append(SynthesisResult(item.request, None, f"{type(e1).__name__}: {e1}"))
-        timeline.event("vocode_ms", round(1000 * (time.perf_counter() - began)))  # rendered, before the emits
-        audio_s = 0.0
-        for r in results:
-            if r.audio is not None:
-                audio_s += len(r.audio) / s.engine.sample_rate
-            s.emit(r)
-        timeline.event("vocode_end", len(batch))
-        now = time.perf_counter()
-        if s.observe is not None:  # wall: since the previous batch was out, or since this one's first row
-            s.observe(len(batch), audio_s, now - max(self.last_observed, started))
-        self.last_observed = now
+                launched = self.s.engine.vocode_launch(batch, queued=gate.release)
+        except Exception as e:  # noqa: BLE001 - retried row by row in _finish
+            launched = e
+        return batch, started, began, launched
+
+    def _finish(self, batch: list, started: float, began: float, launched) -> None:
+        """Wait for a launched batch's audio and emit it; a failed batch is retried row by row, so one
+        bad segment fails alone. Its rows stop counting as pending whatever happens."""
+        s = self.s
+        try:
+            try:
+                if isinstance(launched, Exception):
+                    raise launched
+                results = launched.results()
+            except Exception as e:  # noqa: BLE001
+                results = []
+                for item in batch:
+                    try:
+                        if len(batch) == 1:
+                            raise e
+                        results += list(s.engine.vocode([item]))
+                    except Exception as e1:  # noqa: BLE001
+                        results.append(SynthesisResult(item.request, None, f"{type(e1).__name__}: {e1}"))
+            timeline.event("vocode_ms", round(1000 * (time.perf_counter() - began)))  # rendered, before the emits
+            audio_s = 0.0
+            for r in results:
+                if r.audio is not None:
+                    audio_s += len(r.audio) / s.engine.sample_rate
+                s.emit(r)
+            timeline.event("vocode_end", len(batch))
+            now = time.perf_counter()
+            if s.observe is not None:  # wall: since the previous batch was out, or since this one's first row
+                s.observe(len(batch), audio_s, now - max(self.last_observed, started))
+            self.last_observed = now
+        finally:
+            with self.cv:
+                self.pending -= len(batch)
+                self.rendering -= 1
+                self.cv.notify_all()
 
 
 class _LaunchGate:
