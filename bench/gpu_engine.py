@@ -978,18 +978,24 @@ class Bench:
         if a.worker_ab:
             size = a.worker_task_sizes[0]
             key = f"tasks_of_{size}"
-            variants = [(spec, self._worker_jobs({**base, **parse_run(spec, switches=True)}, [size], f"_ab{k + 1}", corpus, warm))
-                        for k, spec in enumerate(a.worker_ab)]
-            again = self._worker_jobs(base, [size], "_ab_again", corpus, warm)
-            xa = [first["runs"][key]["x_realtime"], again["runs"][key]["x_realtime"]]
-            out["ab"] = {"order": "A " + " ".join(f"B{k + 1}" for k in range(len(variants))) + " A",
-                         "a_runs": [first["runs"][key], again["runs"][key]],
-                         "variants": [{"spec": spec, "run": v["runs"][key], "env": v["env"], "warm_job": v["warm_job"],
-                                       "over_a_mean": round(v["runs"][key]["x_realtime"] / (sum(xa) / 2), 3)}
-                                      for spec, v in variants]}
+            a_runs, b_runs = [first["runs"][key]], {spec: [] for spec in a.worker_ab}
+            for r in range(a.worker_ab_rounds):  # A (B1 .. Bk A) x rounds
+                suffix = "" if r == 0 else f"_r{r + 1}"
+                for k, spec in enumerate(a.worker_ab):
+                    v = self._worker_jobs({**base, **parse_run(spec, switches=True)}, [size], f"_ab{k + 1}{suffix}", corpus, warm)
+                    b_runs[spec].append(v)
+                a_runs.append(self._worker_jobs(base, [size], f"_ab_again{suffix}", corpus, warm)["runs"][key])
+            xa = [run["x_realtime"] for run in a_runs]
+            a_mean = sum(xa) / len(xa)
+            out["ab"] = {"order": "A" + (" " + " ".join(f"B{k + 1}" for k in range(len(a.worker_ab))) + " A") * a.worker_ab_rounds,
+                         "rounds": a.worker_ab_rounds, "a_runs": a_runs,
+                         "variants": [{"spec": spec, "run": vs[0]["runs"][key], "env": vs[0]["env"], "warm_job": vs[0]["warm_job"],
+                                       "runs": [v["runs"][key] for v in vs],
+                                       "over_a_mean": round(sum(v["runs"][key]["x_realtime"] for v in vs) / len(vs) / a_mean, 3)}
+                                      for spec, vs in b_runs.items()]}
             for v in out["ab"]["variants"]:
-                print(f"  worker A/B ({v['spec']}): {v['run']['x_realtime']}x vs A {xa[0]}x, {xa[1]}x "
-                      f"(B/A {v['over_a_mean']})", flush=True)
+                print(f"  worker A/B ({v['spec']}): {', '.join(str(run['x_realtime']) for run in v['runs'])}x vs A "
+                      f"{', '.join(f'{x}' for x in xa)}x (B/A {v['over_a_mean']}, means)", flush=True)
         return out
 
     def _worker_jobs(self, run: dict[str, str], sizes: list[int], tag: str, corpus: Path, warm: Path) -> dict:
@@ -1352,8 +1358,11 @@ def table(results: dict) -> str:
                          f"{r['audio_s']} | {r['wall_s']} | {r['x_realtime']} | {r.get('gpu_busy_pct')} | {_tail(r)} | {r['failed']} |")
         ab = st.get("worker", {}).get("ab")
         if ab:
-            rows = [("A", ab["a_runs"][0])] + [(f"B: {v['spec']} (B/A {v['over_a_mean']})", v["run"]) for v in ab["variants"]]
-            for label, r in rows + [("A again", ab["a_runs"][1])]:
+            rows = [("A", ab["a_runs"][0])]
+            for r in range(ab.get("rounds", 1)):
+                rows += [(f"B: {v['spec']} (B/A {v['over_a_mean']})", v.get("runs", [v["run"]])[r]) for v in ab["variants"]]
+                rows += [("A again", ab["a_runs"][r + 1])]
+            for label, r in rows:
                 lines.append(f"| voxbatch worker A/B ({ab['order']}) | {label} | {r['segments']} | "
                              f"{r['audio_s']} | {r['wall_s']} | {r['x_realtime']} | {r.get('gpu_busy_pct')} | {_tail(r)} | {r['failed']} |")
         for k, r in en.items():
@@ -1416,6 +1425,8 @@ def main() -> None:
                     help="worker stage: also run each SPEC laid over --worker-run (settings and bench switches: %s) in a "
                          "worker of its own, then --worker-run again in a last one (A B.. A), a job of the first task size each"
                          % ", ".join(SWITCHES))
+    ap.add_argument("--worker-ab-rounds", type=int, default=1,
+                    help="worker A/B: A (B1 .. Bk A) this many times; B/A over the means of all A and B runs")
     ap.add_argument("--worker-timeout-s", type=float, default=300.0)
     ap.add_argument("--pyspy-job-start", default=None, metavar="PY_SPY",
                     help="worker stage: sample the worker with this py-spy binary (GIL holders) over each measured job's start")
@@ -1463,6 +1474,8 @@ def main() -> None:
         ap.error("--engine-runs must not repeat a configuration (use --engine-repeats N, N >= 1)")
     if len(set(args.vllm_runs)) != len(args.vllm_runs):
         ap.error("--vllm-runs must not repeat a configuration")
+    if args.worker_ab_rounds < 1:
+        ap.error("--worker-ab-rounds must be >= 1")
     if len(set(args.worker_ab)) != len(args.worker_ab):
         ap.error("--worker-ab must not repeat a configuration")
     if args.pyspy_job_start and shutil.which(args.pyspy_job_start) is None:
