@@ -58,8 +58,8 @@ HEADLINE_GPU = "H200"
 
 
 def headline_result(results: dict[str, dict]) -> tuple[str, dict]:
-    def worker(r: dict) -> bool:
-        return r["headline"].get("path") == "worker"
+    def worker(r: dict) -> bool:  # a whole worker run: an A/B-only run (no baseline in it) is no headline
+        return r["headline"].get("path") == "worker" and r["headline"].get("baseline_x_realtime") is not None
 
     found = newest(results, lambda r: worker(r) and HEADLINE_GPU in str(r["headline"].get("gpu"))) or newest(results, worker)
     if found is None:

@@ -93,19 +93,31 @@ def test_every_real_time_figure_in_a_generated_block_is_in_a_result():
     assert checked >= 4  # the worker runs, the engine run and the baseline at least
 
 
-def test_the_first_table_is_the_newest_h200_worker_result_while_one_is_committed(tmp_path):
-    """A newer worker result from another GPU (a device call that got an H100) leaves the docs as the
-    H200's give them; with no H200 worker result left, the newest other one takes its place."""
+def test_the_first_table_is_the_newest_whole_h200_worker_result(tmp_path):
+    """A newer worker result from another GPU (a device call that got an H100), or a newer H200 one
+    without a baseline (an A/B-only run), leaves the docs as the headline result gives them; a newer
+    whole H200 worker result replaces it; with no H200 worker result left, another takes its place."""
     name = re.search(r"From `bench/results/([\w.-]+\.json)`", (REPO / "BENCHMARKS.md").read_text(encoding="utf-8")).group(1)
-    headline = json.loads((RESULTS / name).read_text())["headline"]
-    assert "H200" in headline["gpu"] and headline["path"] == "worker"
+    head = json.loads((RESULTS / name).read_text())
+    assert "H200" in head["headline"]["gpu"] and head["headline"]["path"] == "worker"
+    assert head["headline"]["baseline_x_realtime"] is not None
     results = {p.name: json.loads(p.read_text()) for p in RESULTS.glob("*.json")}
-    other = [n for n, r in results.items() if isinstance(r, dict) and r.get("headline", {}).get("path") == "worker"
-             and "H200" not in str(r["headline"].get("gpu")) and r["when"] > results[name]["when"]]
-    assert other, "this test needs a newer worker result from another GPU among the committed ones"
     for n in results:
         shutil.copy(RESULTS / n, tmp_path / n)
+
+    def newer(gpu: str, baseline) -> dict:
+        r = json.loads(json.dumps(head))
+        r["when"] = "9999-01-01T00:00:00Z"
+        r["headline"].update(gpu=gpu, baseline_x_realtime=baseline, x_realtime=round(head["headline"]["x_realtime"] + 1.5, 1))
+        return r
+
+    (tmp_path / "zz_h100.json").write_text(json.dumps(newer("NVIDIA H100 80GB HBM3", head["headline"]["baseline_x_realtime"])))
+    (tmp_path / "zz_ab_only.json").write_text(json.dumps(newer(head["headline"]["gpu"], None)))
     assert report("--check", "--results", str(tmp_path)).returncode == 0
+    (tmp_path / "zz_whole.json").write_text(json.dumps(newer(head["headline"]["gpu"], head["headline"]["baseline_x_realtime"])))
+    out = report("--check", "--results", str(tmp_path))
+    assert out.returncode == 1 and "BENCHMARKS.md" in out.stderr
+    (tmp_path / "zz_whole.json").unlink()
     for n, r in results.items():  # every H200 worker result gone: the docs would change
         if r.get("headline", {}).get("path") == "worker" and "H200" in str(r["headline"].get("gpu")):
             (tmp_path / n).unlink(missing_ok=True)

@@ -6,6 +6,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 kit=.gpu
+# --src: only this checkout's sources and their commit stamp (the rest of the kit already built).
+if [ "${1:-}" = "--src" ]; then
+  rm -rf "$kit/src" && mkdir -p "$kit/src" && git archive HEAD | tar -x -C "$kit/src"
+  git rev-parse HEAD > "$kit/src/bench/COMMIT"
+  exit 0
+fi
 mkdir -p "$kit/whl" "$kit/bin/lib" "$kit/src"
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \

@@ -122,8 +122,13 @@ PRIMARY_VOCODER_PRIORITY: int | None = None
 # vocoder-only tail, with the other thread at the same point, the GPU dipped there (tail 84-94% busy,
 # bench/results/gpu_h100_worker20.json). With one batch of look-ahead a thread's stream holds work
 # through its turnover. The same stream runs the two batches in order, so memory is the next batch's
-# inputs and the last one's audio more, not a second batch's intermediates. Not measured yet: off
-# until an A/B says otherwise. Bench switch `ahead`.
+# inputs and the last one's audio more, not a second batch's intermediates. Off: no faster. Worker on
+# the H200, tasks of 16: 316.5x with vs 315.7x / 332.8x without (B/A 0.976), and with one vocoder
+# thread instead of two 325.5x (1.004), with three 326.5x (1.007) (bench/results/gpu_h200_worker23.json);
+# again A B1 B2 A B1 B2 A: 311.1x, 317.7x with (1.005), 323.7x, 304.6x with one thread (1.004) vs A
+# 310.5x, 310.4x, 317.7x (gpu_h200_worker24.json). The tail's dips stayed (80.9-90.5% busy after the
+# LLM's last row with it, 82.2-91.0% without): a thread's stream running dry at its turnover is not
+# what they are. Bench switch `ahead`.
 VOCODER_LOOKAHEAD = False
 LONGEST_FIRST = True  # refill LLM rows with the longest waiting texts first (shorter tail at the end of the work)
 MAX_WAIT_S = 10.0  # ... unless a request has waited this long: then it goes first, whatever its length
