@@ -45,6 +45,7 @@ SWITCHES = {
     "lag": ("voxbatch.worker.cosyvoice2.torch_backend", "LOOK_LAG", int),
     "hift_quantum": ("voxbatch.worker.cosyvoice2.engine", "HIFT_FRAME_QUANTUM", int),
     "f0_quantum": ("voxbatch.worker.cosyvoice2.hift", "F0_FRAME_QUANTUM", int),
+    "f0_graphs": ("voxbatch.worker.cosyvoice2.hift", "F0_ROW_GRAPHS", _flag),
     "varlen": ("voxbatch.worker.cosyvoice2.flow_estimator", "VARLEN_ATTENTION", _flag),
     "packed": ("voxbatch.worker.cosyvoice2.llm", "PACKED_PREFILL", _flag),
     "merge": ("voxbatch.worker.cosyvoice2.streaming", "TAIL_MERGE", _flag),

@@ -355,3 +355,32 @@ def test_f0_rows_padded_to_a_quantum_give_the_same_f0_and_a_row_alone_the_same_b
         assert quant[i, n:].abs().max().item() == 0.0 if n < padded.shape[2] else True
         alone = hift.f0(padded[i : i + 1], [n])
         assert torch.equal(alone[0, :n], quant[i, :n])
+
+
+@pytest.mark.gpu
+@torch.inference_mode()
+def test_f0_row_graphs_give_the_eager_padded_f0_bit_for_bit_on_gpu(monkeypatch):
+    """F0_ROW_GRAPHS: each row's F0 from its width's CUDA graph is, bit for bit, the eager F0 of the row
+    padded to the same width (F0_FRAME_QUANTUM = F0_GRAPH_QUANTUM), whatever batch it came in; rows of
+    one width share a graph; zero past each row. Random weights at the default (CosyVoice2-0.5B) dims:
+    no checkpoint needed."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from voxbatch.worker.cosyvoice2 import hift as hift_mod
+
+    torch.manual_seed(0)
+    model = HiFTGenerator(hift_mod.HiftDims()).cuda().eval()
+    lengths = [70, 33, 64, 5, 70]  # two rows share the width 96, one of them twice
+    mel = torch.randn(len(lengths), model.d.in_channels, max(lengths), device="cuda")
+    monkeypatch.setattr(hift_mod, "F0_FRAME_QUANTUM", hift_mod.F0_GRAPH_QUANTUM)
+    monkeypatch.setattr(hift_mod, "F0_ROW_GRAPHS", False)
+    eager = model.f0(mel, lengths)
+    monkeypatch.setattr(hift_mod, "F0_ROW_GRAPHS", True)
+    graphed = model.f0(mel, lengths)
+    assert not hift_mod._f0_graphs_failed
+    assert torch.equal(graphed, eager)
+    for i, n in enumerate(lengths):
+        assert graphed[i, n:].abs().max().item() == 0.0 if n < mel.shape[2] else True
+        assert torch.equal(model.f0(mel[i : i + 1, :, :n], [n])[0], graphed[i, :n])  # alone: the same bits
+    slot = getattr(hift_mod._f0_per_thread, str(mel.device))
+    assert sorted(slot["graphs"]) == sorted({-(-n // hift_mod.F0_GRAPH_QUANTUM) * hift_mod.F0_GRAPH_QUANTUM for n in lengths})

@@ -24,7 +24,10 @@ Shapes: B batch, T_mel mel frames, T_wav = T_mel * 480 samples (24 kHz), T_spec 
 
 from __future__ import annotations
 
+import logging
 import math
+import threading
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -33,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from voxbatch.worker.cosyvoice2 import cuda_graphs
 from voxbatch.worker.cosyvoice2.conv_epilogue import conv_epilogue
 from voxbatch.worker.cosyvoice2.derived import DerivedWeight
 from voxbatch.worker.cosyvoice2.h2d import host_lengths, split_lengths, to_device
@@ -124,6 +128,21 @@ def length_mask(lengths: torch.Tensor, max_len: int, dtype: torch.dtype) -> torc
 # but they are HiFT's first launches after the flow's graph replays, so they are where the thread
 # waits for the launch queue, not plan building. Bench switch `f0_quantum`.
 F0_FRAME_QUANTUM = 1
+# On CUDA, each row's F0 as a CUDA graph kept per padded width (rows zero-padded to a multiple of
+# F0_GRAPH_QUANTUM frames, masked as F0_FRAME_QUANTUM pads them): a row costs its copy in, the replay and
+# its copy out, instead of the predictor's ~20 op calls (5 cuDNN convolutions at ~340 us of host time
+# each in gpu_h200_worker12b_profile.txt). Why it might pay: the GPU's dips in a job's vocoder-only
+# tail sit where batches end, i.e. in HiFT, whose row-by-row F0 launches tiny kernels slower than the
+# GPU runs them; when both vocoder threads are there at once (batches ending together), the GPU waits
+# on their launches (bench/results/gpu_h200_worker23.json, A's raw utilisation against its log: 62% and
+# 56% as a 74- and a 63-row batch ended together, 70% at another end). Each row still runs alone at its
+# padded shape, so its F0 is the same bits in any batch (GPU test: graph and eager padded F0 equal).
+# A capture that fails is logged once and turns this off. Not measured yet: off. Bench switch `f0_graphs`.
+F0_ROW_GRAPHS = False
+F0_GRAPH_QUANTUM = 32  # frames; the widths a corpus meets (its longest mel / this, ~50), each one graph
+_f0_graphs_failed = False
+_f0_per_thread = threading.local()  # per (thread, device): capture stream, memory pool, graphs by width
+log = logging.getLogger(__name__)
 
 
 class F0Predictor(nn.Module):
@@ -146,6 +165,56 @@ class F0Predictor(nn.Module):
                 x = x * mask
         f0 = self.classifier(x.transpose(1, 2)).squeeze(-1).abs()  # (B, T_mel, 1) -> (B, T_mel)
         return f0 * mask[:, 0]
+
+
+class _F0RowGraph:
+    """The F0 predictor over one row of `width` frames, as a CUDA graph over buffers of its own: the
+    row's mel goes into `mel` (zeros past its length), its length into `length`; `f0` is the output."""
+
+    def __init__(self, predictor: F0Predictor, mel: torch.Tensor, width: int):
+        self.predictor = weakref.ref(predictor)  # a freed model's graph is not used for another
+        self.mel = mel.new_zeros(1, mel.shape[1], width)  # (1, 80, width)
+        self.length = torch.zeros((), dtype=torch.long, device=mel.device)
+        self.graph = torch.cuda.CUDAGraph()
+        self.f0: torch.Tensor | None = None
+
+    def _run(self, predictor: F0Predictor) -> torch.Tensor:
+        steps = torch.arange(self.mel.shape[2], device=self.mel.device)
+        mask = (steps < self.length).to(self.mel.dtype)[None, None, :]  # (1, 1, width)
+        return predictor(self.mel, mask)  # (1, width)
+
+    @classmethod
+    def get(cls, predictor: F0Predictor, mel: torch.Tensor, width: int) -> _F0RowGraph | None:
+        """This thread's graph for `width` frames on mel's device, captured (after one eager run at that
+        shape, which builds cuDNN's plans) on first use; None once a capture has failed (logged once)."""
+        global _f0_graphs_failed
+        slot = getattr(_f0_per_thread, str(mel.device), None)
+        if slot is None:
+            slot = {"stream": torch.cuda.Stream(mel.device), "pool": torch.cuda.graph_pool_handle(), "graphs": {}}
+            setattr(_f0_per_thread, str(mel.device), slot)
+        g = slot["graphs"].get(width)
+        if g is not None and g.predictor() is predictor:
+            return g
+        g = cls(predictor, mel, width)
+        try:
+            g._run(predictor)
+            cuda_graphs.capture(g.graph, slot["stream"], slot["pool"], lambda: setattr(g, "f0", g._run(predictor)))
+        except Exception as e:  # noqa: BLE001 - the eager F0 still works
+            log.warning("F0 CUDA graph unavailable (%s: %s); F0 runs eagerly", type(e).__name__, e)
+            _f0_graphs_failed = True
+            return None
+        slot["graphs"][width] = g
+        return g
+
+    def __call__(self, row: torch.Tensor) -> torch.Tensor:
+        """row (1, 80, n), n <= width -> F0 (1, n), as the predictor gives it for the row padded to width."""
+        n = row.shape[2]
+        self.mel[:, :, :n].copy_(row)
+        if n < self.mel.shape[2]:
+            self.mel[:, :, n:].zero_()
+        self.length.fill_(n)
+        self.graph.replay()
+        return self.f0[:, :n]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -483,6 +552,16 @@ class HiFTGenerator(nn.Module):
         dtype = self.f0_predictor.classifier.weight.dtype  # fp32 as load_hift leaves it
         mel = mel.to(dtype)
         B, _, T_mel = mel.shape
+        if F0_ROW_GRAPHS and mel.is_cuda and not _f0_graphs_failed:
+            f0 = mel.new_zeros(B, T_mel)
+            for b, n in enumerate(host_lengths(mel_lengths, B, T_mel)):
+                if not n:
+                    continue
+                graph = _F0RowGraph.get(self.f0_predictor, mel, -(-n // F0_GRAPH_QUANTUM) * F0_GRAPH_QUANTUM)
+                if graph is None:  # graphs are off now: this call eagerly
+                    return self.f0(mel, mel_lengths)
+                f0[b, :n] = graph(mel[b : b + 1, :, :n])
+            return f0
         if B == 1 and F0_FRAME_QUANTUM == 1:
             return self.f0_predictor(mel, length_mask(split_lengths(mel_lengths, B, T_mel, mel.device)[0], T_mel, dtype))
         f0 = mel.new_zeros(B, T_mel)
