@@ -126,7 +126,7 @@ PRIMARY_VOCODER_PRIORITY: int | None = None
 # the H200, tasks of 16: 316.5x with vs 315.7x / 332.8x without (B/A 0.976), and with one vocoder
 # thread instead of two 325.5x (1.004), with three 326.5x (1.007) (bench/results/gpu_h200_worker23.json);
 # again A B1 B2 A B1 B2 A: 311.1x, 317.7x with (1.005), 323.7x, 304.6x with one thread (1.004) vs A
-# 310.5x, 310.4x, 317.7x (gpu_h200_worker24.json). The tail's dips stayed (80.9-90.5% busy after the
+# 310.5x, 310.4x, 317.7x (gpu_h200_worker24.json). The tail's dips stayed (80.9-91.3% busy after the
 # LLM's last row with it, 82.2-91.0% without): a thread's stream running dry at its turnover is not
 # what they are. Bench switch `ahead`.
 VOCODER_LOOKAHEAD = False
