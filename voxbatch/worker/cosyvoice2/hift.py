@@ -553,15 +553,16 @@ class HiFTGenerator(nn.Module):
         mel = mel.to(dtype)
         B, _, T_mel = mel.shape
         if F0_ROW_GRAPHS and mel.is_cuda and not _f0_graphs_failed:
-            f0 = mel.new_zeros(B, T_mel)
-            for b, n in enumerate(host_lengths(mel_lengths, B, T_mel)):
-                if not n:
-                    continue
-                graph = _F0RowGraph.get(self.f0_predictor, mel, -(-n // F0_GRAPH_QUANTUM) * F0_GRAPH_QUANTUM)
-                if graph is None:  # graphs are off now: this call eagerly
-                    return self.f0(mel, mel_lengths)
-                f0[b, :n] = graph(mel[b : b + 1, :, :n])
-            return f0
+            with torch.inference_mode():  # the graphs' buffers are inference tensors, written in place
+                f0 = mel.new_zeros(B, T_mel)
+                for b, n in enumerate(host_lengths(mel_lengths, B, T_mel)):
+                    if not n:
+                        continue
+                    graph = _F0RowGraph.get(self.f0_predictor, mel, -(-n // F0_GRAPH_QUANTUM) * F0_GRAPH_QUANTUM)
+                    if graph is None:  # graphs are off now: this call eagerly
+                        return self.f0(mel, mel_lengths)
+                    f0[b, :n] = graph(mel[b : b + 1, :, :n])
+                return f0
         if B == 1 and F0_FRAME_QUANTUM == 1:
             return self.f0_predictor(mel, length_mask(split_lengths(mel_lengths, B, T_mel, mel.device)[0], T_mel, dtype))
         f0 = mel.new_zeros(B, T_mel)
