@@ -43,6 +43,8 @@ from voxbatch.worker.cosyvoice2.h2d import host_lengths, split_lengths, to_devic
 from voxbatch.worker.cosyvoice2.lazy_kernel import interpreting
 from voxbatch.worker.cosyvoice2.checkpoint import ModelDirError, check_keys, empty_init, load_state_dict, read_config, section
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class HiftDims:
@@ -142,7 +144,6 @@ F0_ROW_GRAPHS = False
 F0_GRAPH_QUANTUM = 32  # frames; the widths a corpus meets (its longest mel / this, ~50), each one graph
 _f0_graphs_failed = False
 _f0_per_thread = threading.local()  # per (thread, device): capture stream, memory pool, graphs by width
-log = logging.getLogger(__name__)
 
 
 class F0Predictor(nn.Module):

@@ -438,10 +438,7 @@ class _Vocoder:
                         self._finish(*unfinished.pop(0))  # its rows stop being pending there, even if it raises
             finally:
                 for batch, *_ in unfinished:  # the loop died (e.g. `emit` raised): nobody will emit these
-                    with self.cv:
-                        self.pending -= len(batch)
-                        self.rendering -= 1
-                        self.cv.notify_all()
+                    self._done(batch)
 
     def _launch(self, batch: list, started: float) -> tuple:
         """Queue a batch's GPU work (`engine.vocode_launch`): (batch, started, began, the queued batch or
@@ -486,10 +483,14 @@ class _Vocoder:
                 s.observe(len(batch), audio_s, now - max(self.last_observed, started))
             self.last_observed = now
         finally:
-            with self.cv:
-                self.pending -= len(batch)
-                self.rendering -= 1
-                self.cv.notify_all()
+            self._done(batch)
+
+    def _done(self, batch: list) -> None:
+        """A batch taken by `_next` is out of the vocoder (emitted, failed or abandoned)."""
+        with self.cv:
+            self.pending -= len(batch)
+            self.rendering -= 1
+            self.cv.notify_all()
 
 
 class _LaunchGate:
