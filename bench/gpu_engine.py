@@ -1079,13 +1079,36 @@ class Bench:
         """`voxbatch render` as a user runs it (its own process, `--json`) over the bench corpus written as
         a book of RENDER_CHAPTERS chapters, with the worker run's engine settings: wall time, where it
         went (start-up, first segment, rendering, the assembly tail after the last segment) and the GPU
-        busy share over the whole run and over each phase."""
+        busy share over the whole run and over each phase.
+
+        With `--render-ab SPEC [SPEC ...]`, each SPEC (bench switches, set in the render process as in a
+        worker's) laid over `--worker-run` runs next, then the first configuration again (A B.. A), and
+        `ab` records each variant's wall time and tail against the two A runs."""
+        a = self.args
+        base = parse_run(a.worker_run)
+        first = self._render_once(base)
+        if a.render_ab:
+            variants = [(spec, self._render_once({**base, **parse_run(spec, switches=True)})) for spec in a.render_ab]
+            again = self._render_once(base)
+            a_wall = (first["wall_s"] + again["wall_s"]) / 2
+            first = {**first, "ab": {
+                "order": "A " + " ".join(f"B{k + 1}" for k in range(len(variants))) + " A",
+                "a_runs": [dict(first), again],
+                "variants": [{"spec": spec, "run": v, "wall_over_a_mean": round(v["wall_s"] / a_wall, 3)} for spec, v in variants]}}
+            for spec, v in variants:
+                print(f"  render A/B ({spec}): wall {v['wall_s']} s, tail {v['assembly_tail_s']} s vs A "
+                      f"{first['wall_s']} / {again['wall_s']} s, tails {first['assembly_tail_s']} / {again['assembly_tail_s']} s",
+                      flush=True)
+        return first
+
+    def _render_once(self, run: dict[str, str]) -> dict:
+        """One `voxbatch render` of the bench book with `run`'s settings and bench switches."""
         from voxbatch import keys
         from voxbatch.storage import LocalStorage
 
         a = self.args
-        env = {**os.environ, **self.engine_env(parse_run(a.worker_run)),
-               "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+        pythonpath = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+        env = {**os.environ, **self.engine_env(run), "PYTHONPATH": pythonpath, **worker_env(run, pythonpath)}
         out = Path(tempfile.mkdtemp(prefix="render-", dir=self.tmp))  # nothing rendered before: no reuse
         LocalStorage(out).put(keys.voice("bench"), LocalStorage(self.storage_root).get(keys.voice("bench")))
         per = math.ceil(len(self.corpus) / min(RENDER_CHAPTERS, len(self.corpus)))
@@ -1111,8 +1134,9 @@ class Bench:
                 "failed": r["failed"], "audio_s": r["audio_s"], "wall_s": round(wall, 3),
                 "x_realtime": round(r["audio_s"] / wall, 1), **phases, "command_wall_s": p["wall_s"],
                 "gpu_busy_pct": busy_pct(util.summary(window=(t0, t0 + wall))), "gpu_busy_pct_by_phase": busy,
-                "env": {k: v for k, v in self.engine_env(parse_run(a.worker_run)).items()
+                "env": {k: v for k, v in self.engine_env(run).items()
                         if k not in ("VOXBATCH_MODEL_DIR", "VOXBATCH_STORAGE_URL")},
+                "switches": {k: v for k, v in run.items() if k in SWITCHES},
                 "note": "wall: process start to exit (imports included); phases from `voxbatch render --json`, "
                         "timed from the command's start (after the interpreter's imports)"}
 
@@ -1379,6 +1403,14 @@ def table(results: dict) -> str:
                   f"({rd['x_realtime']}x real time), start-up {rd['startup_s']} s, first segment {rd['first_segment_s']} s, "
                   f"rendering {rd['rendering_s']} s, assembly tail {rd['assembly_tail_s']} s; GPU busy {rd['gpu_busy_pct']}% "
                   f"(by phase {rd['gpu_busy_pct_by_phase']})", ""]
+        ab = rd.get("ab")
+        if ab:
+            lines += [f"A/B ({ab['order']}):", "", "| run | wall s | x real time | start-up s | rendering s | assembly tail s |",
+                      "|---|---|---|---|---|---|"]
+            rows = [("A", ab["a_runs"][0])] + [(f"B: {v['spec']} (wall B/A {v['wall_over_a_mean']})", v["run"]) for v in ab["variants"]]
+            for label, r in rows + [("A again", ab["a_runs"][1])]:
+                lines.append(f"| {label} | {r['wall_s']} | {r['x_realtime']} | {r['startup_s']} | {r['rendering_s']} | {r['assembly_tail_s']} |")
+            lines.append("")
     if "invariance" in st:
         from bench.invariance import table_lines
 
@@ -1427,6 +1459,8 @@ def main() -> None:
                          % ", ".join(SWITCHES))
     ap.add_argument("--worker-ab-rounds", type=int, default=1,
                     help="worker A/B: A (B1 .. Bk A) this many times; B/A over the means of all A and B runs")
+    ap.add_argument("--render-ab", nargs="+", default=[], metavar="SPEC",
+                    help="render stage: bench switches (bench/switches.py) to run as B in A B.. A")
     ap.add_argument("--worker-timeout-s", type=float, default=300.0)
     ap.add_argument("--pyspy-job-start", default=None, metavar="PY_SPY",
                     help="worker stage: sample the worker with this py-spy binary (GIL holders) over each measured job's start")
@@ -1476,6 +1510,8 @@ def main() -> None:
         ap.error("--vllm-runs must not repeat a configuration")
     if args.worker_ab_rounds < 1:
         ap.error("--worker-ab-rounds must be >= 1")
+    if len(set(args.render_ab)) != len(args.render_ab):
+        ap.error("--render-ab must not repeat a configuration")
     if len(set(args.worker_ab)) != len(args.worker_ab):
         ap.error("--worker-ab must not repeat a configuration")
     if args.pyspy_job_start and shutil.which(args.pyspy_job_start) is None:

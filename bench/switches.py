@@ -67,6 +67,7 @@ SWITCHES = {
     "cf": ("voxbatch.worker.cosyvoice2.flow", "EULER_CAPTURE_FIRST", _flag),
     "gcache": ("voxbatch.worker.cosyvoice2.flow", "STEP_GRAPH_CACHE", _flag),
     "sfwav": ("voxbatch.audio", "WAV_BY_LIBSNDFILE", _flag),
+    "book_stream": ("voxbatch.producer.assemble", "BOOK_WHILE_ASSEMBLING", _flag),
 }
 
 

@@ -327,6 +327,66 @@ def test_m4b_has_aac_and_a_chapter_marker_per_assembled_chapter(storage, setting
     assert abs(float(probe["format"]["duration"]) - (len0 + len2) / SR) < 0.05
 
 
+def _book_pcm(storage, key: str, tmp_path, name: str) -> np.ndarray:
+    """A stored .m4b's audio decoded to float32 by ffmpeg (what a player hears)."""
+    path = tmp_path / f"{name}.m4b"
+    path.write_bytes(storage.get(key))
+    raw = subprocess.run(["ffmpeg", "-nostdin", "-v", "error", "-i", str(path), "-f", "f32le", "-"],
+                         check=True, capture_output=True).stdout
+    return np.frombuffer(raw, dtype="<f4")
+
+
+def test_the_book_encoded_while_chapters_come_is_the_book_encoded_at_the_end(storage, settings, tmp_path, monkeypatch):
+    """BOOK_WHILE_ASSEMBLING: the encoder has chapter 0's PCM before chapter 1 is added, and the book it
+    writes decodes to the same samples, with the same chapter marks and tags, as the book encoded in one
+    go after the last chapter (the AAC encoder saw the same PCM in the same order)."""
+    if shutil.which("ffmpeg") is None or shutil.which("ffprobe") is None:
+        pytest.skip("ffmpeg/ffprobe not on PATH (Debian: apt-get install -y ffmpeg)")
+    spec = make_job(storage, skip={"0001-00000"})  # chapter 1 missing: it is not in the book either
+    books = {}
+    for streamed in (True, False):
+        monkeypatch.setattr(asm, "BOOK_WHILE_ASSEMBLING", streamed)
+        with asm.JobAssembly(storage, spec, SR, settings) as assembly:
+            assembly.add(0, {})
+            if streamed:
+                assert assembly._encoder is not None
+                fed_after_first = assembly.d.book.mark()
+            else:
+                assert assembly._encoder is None
+            for index in range(1, len(spec.chapters)):
+                assembly.add(index, {})
+            manifest = assembly.finish({})
+        probe = json.loads(subprocess.run(
+            ["ffprobe", "-v", "error", "-print_format", "json", "-show_chapters", "-show_format", "-"],
+            input=storage.get(manifest.book_key), check=True, capture_output=True).stdout)
+        books[streamed] = (_book_pcm(storage, manifest.book_key, tmp_path, str(streamed)),
+                           [(c["start"], c["end"], c["tags"]["title"]) for c in probe["chapters"]],
+                           probe["format"]["tags"]["title"])
+    assert fed_after_first == 4 * chapter_length(LENGTHS[0])  # chapter 0 went to the encoder when it was added
+    assert np.array_equal(books[True][0], books[False][0]) and len(books[True][0]) > 0
+    assert books[True][1] == books[False][1] and [t for *_, t in books[True][1]] == ["Chapter 0", "Chapter 2"]
+    assert books[True][2] == books[False][2] == spec.name
+
+
+def test_a_book_encoder_that_fails_names_the_book_and_one_given_up_is_stopped(tmp_path):
+    """An encoder fed past the end of its PCM (the assembler's file truncated under it) fails with an
+    error naming the book at `finish`; one aborted (the assembly closed without finishing) exits."""
+    if shutil.which("ffmpeg") is None:
+        pytest.skip("ffmpeg not on PATH (Debian: apt-get install -y ffmpeg)")
+    from voxbatch.producer import m4b
+
+    pcm = tmp_path / "book.f32"
+    pcm.write_bytes(np.zeros(SR, dtype="<f4").tobytes())
+    enc = m4b.BookEncoder(shutil.which("ffmpeg"), pcm, SR, 1, tmp_path)
+    enc.feed(8 * SR)  # twice what the file holds
+    with pytest.raises(m4b.FfmpegError, match=r"book\.m4b.*ends at"):
+        enc.finish("T", [m4b.ChapterMark("c", 0, 1000)], tmp_path / "book.m4b")
+    enc = m4b.BookEncoder(shutil.which("ffmpeg"), pcm, SR, 1, tmp_path)
+    enc.feed(4 * SR)
+    enc.abort()
+    assert enc._proc.poll() is not None
+
+
 def test_without_ffmpeg_the_book_is_skipped(storage, settings, tmp_path, monkeypatch):
     spec = make_job(storage, lengths=[[1000]])
     storage.put(keys.book(spec.id), b"a book from an earlier assembly")

@@ -61,6 +61,11 @@ log = logging.getLogger(__name__)
 # Segment objects fetched ahead of the one being written: hides S3 round trips (a 10k-segment book
 # read one GET at a time spends minutes waiting) while bounding memory to this many encoded segments.
 PREFETCH = 8
+# The book's .m4b is encoded while chapters are still being added (m4b.BookEncoder): each delivered
+# chapter's PCM goes to an ffmpeg that runs beside the assembly, and after the last chapter only its
+# own audio is left to encode before the chapter marks are muxed in. False encodes the whole book after
+# the last chapter (the benchmark's A/B, bench switch `book_stream`).
+BOOK_WHILE_ASSEMBLING = True
 
 
 class SegmentAudioError(ValueError):
@@ -153,6 +158,9 @@ class _Pcm:
 
     def write(self, audio: np.ndarray) -> None:
         self._f.write(np.ascontiguousarray(audio, dtype="<f4").tobytes())
+
+    def flush(self) -> None:
+        self._f.flush()
 
     def rewind(self, mark: int) -> None:
         """Drop what a chapter that failed half-way appended."""
@@ -409,8 +417,10 @@ def _write_book(
     book_channels: int,
     assembled: dict[int, int],
     book_start: dict[int, int],
+    encoder: m4b.BookEncoder | None = None,
 ) -> str:
-    """Encode the book's PCM into an .m4b with one marker per assembled chapter; return its key."""
+    """Encode the book's PCM into an .m4b with one marker per assembled chapter (through `encoder`
+    where it has been encoding the PCM as chapters came); return its key."""
     spec = d.spec
     marks = [
         m4b.ChapterMark(
@@ -421,7 +431,10 @@ def _write_book(
         for index, length in assembled.items()
     ]
     out = d.tmp / "book.m4b"
-    m4b.encode_m4b(ffmpeg, d.book.path, book_rate, book_channels, d.title, marks, out, author=spec.author)
+    if encoder is not None:
+        encoder.finish(d.title, marks, out, author=spec.author)
+    else:
+        m4b.encode_m4b(ffmpeg, d.book.path, book_rate, book_channels, d.title, marks, out, author=spec.author)
     cover, mime = d.cover or (None, None)
     write_tags(out, "m4b", Tags(title=d.title, album=d.title, author=spec.author, cover=cover, cover_mime=mime))
     storage.put_file(keys.book(spec.id), out, content_type("m4b"))
@@ -489,6 +502,7 @@ class JobAssembly:
                            title=spec.title or spec.name, chapters_total=len(spec.chapters),
                            cover=_load_cover(storage, spec), book=_Pcm(tmp / "book.f32") if self.ffmpeg else None,
                            tmp=tmp)
+        self._encoder: m4b.BookEncoder | None = None  # the book's AAC, encoded as chapters are delivered
         self._pool = ThreadPoolExecutor(PREFETCH, thread_name_prefix="assemble-get")
         self._copier = ThreadPoolExecutor(PREFETCH, thread_name_prefix="assemble-copy")
 
@@ -499,6 +513,9 @@ class JobAssembly:
         self.close()
 
     def close(self) -> None:
+        if self._encoder is not None:  # finish() did not take it: the book is not written
+            self._encoder.abort()
+            self._encoder = None
         self._pool.shutdown(cancel_futures=True)
         self._copier.shutdown(cancel_futures=True)
         if self.d.book:
@@ -542,6 +559,24 @@ class JobAssembly:
             if book:
                 book.rewind(mark)
         self._deliver(index, files)
+        if files:
+            self._encode_book()
+
+    def _book_format(self) -> tuple[int, int]:
+        """The book's sample rate and channels: the preset's (mono), else the segments'."""
+        sr = self.timeline.sample_rate or 0
+        return (self.preset.sample_rate, 1) if self.preset else (sr, self.timeline.channels or 1)
+
+    def _encode_book(self) -> None:
+        """BOOK_WHILE_ASSEMBLING: hand the book's PCM so far (whole delivered chapters) to its encoder."""
+        book = self.d.book
+        if not BOOK_WHILE_ASSEMBLING or book is None or self.ffmpeg is None:
+            return
+        book.flush()
+        if self._encoder is None:
+            rate, channels = self._book_format()
+            self._encoder = m4b.BookEncoder(self.ffmpeg, book.path, rate, channels, self.d.tmp)
+        self._encoder.feed(book.mark())
 
     def _chapter_failed(self, index: int, e: _ChapterFailed) -> None:
         self.failed[e.segment_id] = e.error
@@ -593,12 +628,12 @@ class JobAssembly:
             d.book.close()
         delivered, book_start = self.delivered, self.book_start
         sr = self.timeline.sample_rate or 0
-        book_rate = preset.sample_rate if preset else sr
-        book_channels = 1 if preset else (self.timeline.channels or 1)
+        book_rate, book_channels = self._book_format()
         book_key = None
         if d.book and delivered:
             lengths = {i: sum(f.length for f in files) for i, files in delivered.items()}
-            book_key = _write_book(storage, d, self.ffmpeg, book_rate, book_channels, lengths, book_start)
+            encoder, self._encoder = self._encoder, None
+            book_key = _write_book(storage, d, self.ffmpeg, book_rate, book_channels, lengths, book_start, encoder)
         elif not items:
             storage.delete(keys.book(spec.id))
 
