@@ -35,7 +35,8 @@ SENTENCE = "The keeper walked the length of the harbour wall and counted every b
 
 
 def write_book(path: Path, chapters: int, hours: float) -> int:
-    """A Markdown book of `chapters` chapters and about `hours` of tone audio; its segment count."""
+    """A Markdown book of `chapters` chapters and about `hours` of tone audio; its sentence count (the
+    segmenter may split a sentence: each run records the segments it rendered)."""
     from voxbatch.worker.tone import tone_duration_s
 
     per_chapter = max(1, round(hours * 3600 / tone_duration_s(SENTENCE) / chapters))
@@ -80,7 +81,7 @@ def main() -> None:
         raise SystemExit("ffmpeg is not on PATH: without it there is no .m4b, and nothing to measure")
     with tempfile.TemporaryDirectory() as tmp:
         book = Path(tmp) / "book.md"
-        segments = write_book(book, args.chapters, args.hours)
+        sentences = write_book(book, args.chapters, args.hours)
         runs = []
         for label, run in variants:
             r = render_once(book, args.x_realtime, run)
@@ -95,7 +96,7 @@ def main() -> None:
     ffmpeg_version = subprocess.run(["ffmpeg", "-version"], capture_output=True, text=True).stdout.split("\n")[0]
     result = {"bench": "render_tail", "commit": commit(), "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "command": " ".join(["python -m bench.render_tail", *sys.argv[1:]]),
-              "book": {"chapters": args.chapters, "segments": segments, "hours": args.hours},
+              "book": {"chapters": args.chapters, "sentences": sentences, "hours": args.hours},
               "tone_x_realtime": args.x_realtime, "runs": runs,
               "hardware": {"cores": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                            "ffmpeg": ffmpeg_version}}
