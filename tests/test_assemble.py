@@ -387,6 +387,22 @@ def test_a_book_encoder_that_fails_names_the_book_and_one_given_up_is_stopped(tm
     assert enc._proc.poll() is not None
 
 
+def test_a_book_encoder_that_cannot_start_leaves_the_book_to_the_end(storage, settings, monkeypatch):
+    """ffmpeg found at the start but not runnable when the first chapter is in: the book is still
+    written, encoded after the last chapter as before."""
+    if shutil.which("ffmpeg") is None or shutil.which("ffprobe") is None:
+        pytest.skip("ffmpeg/ffprobe not on PATH (Debian: apt-get install -y ffmpeg)")
+    from voxbatch.producer import m4b
+
+    def broken(*args, **kwargs):
+        raise FileNotFoundError("ffmpeg")
+
+    monkeypatch.setattr(m4b, "BookEncoder", broken)
+    spec = make_job(storage)
+    manifest = asm.assemble_job(storage, spec, {}, SR, settings)
+    assert manifest.book_key == keys.book(spec.id) and storage.get(manifest.book_key)[4:8] == b"ftyp"
+
+
 def test_without_ffmpeg_the_book_is_skipped(storage, settings, tmp_path, monkeypatch):
     spec = make_job(storage, lengths=[[1000]])
     storage.put(keys.book(spec.id), b"a book from an earlier assembly")

@@ -503,6 +503,7 @@ class JobAssembly:
                            cover=_load_cover(storage, spec), book=_Pcm(tmp / "book.f32") if self.ffmpeg else None,
                            tmp=tmp)
         self._encoder: m4b.BookEncoder | None = None  # the book's AAC, encoded as chapters are delivered
+        self._encoder_failed = False
         self._pool = ThreadPoolExecutor(PREFETCH, thread_name_prefix="assemble-get")
         self._copier = ThreadPoolExecutor(PREFETCH, thread_name_prefix="assemble-copy")
 
@@ -570,12 +571,18 @@ class JobAssembly:
     def _encode_book(self) -> None:
         """BOOK_WHILE_ASSEMBLING: hand the book's PCM so far (whole delivered chapters) to its encoder."""
         book = self.d.book
-        if not BOOK_WHILE_ASSEMBLING or book is None or self.ffmpeg is None:
+        if not BOOK_WHILE_ASSEMBLING or book is None or self.ffmpeg is None or self._encoder_failed:
             return
         book.flush()
         if self._encoder is None:
             rate, channels = self._book_format()
-            self._encoder = m4b.BookEncoder(self.ffmpeg, book.path, rate, channels, self.d.tmp)
+            try:
+                self._encoder = m4b.BookEncoder(self.ffmpeg, book.path, rate, channels, self.d.tmp)
+            except OSError as e:  # ffmpeg gone since it was found: the book is encoded at the end, as before
+                log.warning("job %s: the book's encoder did not start (%s); encoding it after the last chapter",
+                            self.spec.id, e)
+                self._encoder_failed = True
+                return
         self._encoder.feed(book.mark())
 
     def _chapter_failed(self, index: int, e: _ChapterFailed) -> None:
