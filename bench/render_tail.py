@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from bench.provenance import commit
-from bench.switches import worker_env
+from bench.switches import parse_switches, worker_env
 
 REPO = Path(__file__).resolve().parents[1]
 SENTENCE = "The keeper walked the length of the harbour wall and counted every boat that had come home before dark."
@@ -74,11 +74,12 @@ def main() -> None:
     ap.add_argument("--ab", nargs="+", default=["book_stream=0"], metavar="SPEC", help="bench switches for the B runs")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "render_tail.json")
     args = ap.parse_args()
-    from bench.gpu_engine import parse_run
-
-    variants = [("A", {})] + [(f"B: {spec}", parse_run(spec, switches=True)) for spec in args.ab] + [("A again", {})]
+    try:  # a bad spec or no ffmpeg: exit 2 with the reason, before anything runs
+        variants = [("A", {})] + [(f"B: {spec}", parse_switches(spec)) for spec in args.ab] + [("A again", {})]
+    except SystemExit as e:
+        ap.error(str(e))
     if shutil.which("ffmpeg") is None:
-        raise SystemExit("ffmpeg is not on PATH: without it there is no .m4b, and nothing to measure")
+        ap.error("ffmpeg is not on PATH: without it there is no .m4b, and nothing to measure")
     with tempfile.TemporaryDirectory() as tmp:
         book = Path(tmp) / "book.md"
         sentences = write_book(book, args.chapters, args.hours)

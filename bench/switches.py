@@ -137,6 +137,19 @@ def parse_switch(key: str, value: str) -> object:
         raise SystemExit(f"bench switch {key}={value!r}: not a valid value ({type(e).__name__}: {e})") from None
 
 
+def parse_switches(spec: str) -> dict[str, str]:
+    """'book_stream=0,prepare=0' -> {'book_stream': '0', ...}, each checked by `parse_switch` (for
+    benchmarks that take switches alone, without the GPU bench's run keys)."""
+    out = {}
+    for part in filter(None, spec.split(",")):
+        key, sep, value = part.partition("=")
+        if not sep:
+            raise SystemExit(f"bad switch spec {spec!r}: use key=value pairs")
+        parse_switch(key, value)
+        out[key] = value
+    return out
+
+
 def apply_from_env() -> None:
     """In a process started with `worker_env`: set its switches on their modules as they are imported.
     A bad spec ends the process (SystemExit): a worker that ran without its switch would be measured as

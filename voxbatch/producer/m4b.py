@@ -63,25 +63,30 @@ def encode_m4b(
     author: str | None = None,
 ) -> None:
     """Encode raw float32 little-endian PCM at `pcm_path` into `out_path` with chapter marks."""
+    inp, enc = _audio_args(sample_rate, channels)
+    _write_marked(ffmpeg, [*inp, "-i", str(pcm_path)], enc, title, marks, author, out_path)
+
+
+def _audio_args(sample_rate: int, channels: int) -> tuple[list[str], list[str]]:
+    """ffmpeg's input options for our raw PCM and its AAC output options: one place for both paths."""
+    return ["-f", "f32le", "-ar", str(sample_rate), "-ac", str(channels)], ["-c:a", "aac", "-b:a", BITRATE]
+
+
+def _write_marked(ffmpeg: str, audio_in: list[str], codec: list[str], title: str, marks: list[ChapterMark],
+                  author: str | None, out_path: Path) -> None:
+    """`out_path` (mp4, faststart) from the audio input `audio_in` through `codec`, with the title,
+    author and chapter marks from an FFMETADATA file beside it."""
     meta = out_path.with_suffix(".ffmeta")
     meta.write_text(ffmetadata(title, marks, author), encoding="utf-8")
-    inp, enc = _audio_args(sample_rate, channels)
     cmd = [
         ffmpeg, "-nostdin", "-hide_banner", "-loglevel", "error", "-y",
-        *inp, "-i", str(pcm_path),
-        "-f", "ffmetadata", "-i", str(meta),
+        *audio_in, "-f", "ffmetadata", "-i", str(meta),
         "-map", "0:a", "-map_metadata", "1", "-map_chapters", "1",
-        *enc, "-movflags", "+faststart",
-        "-f", "mp4", str(out_path),
+        *codec, "-movflags", "+faststart", "-f", "mp4", str(out_path),
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise FfmpegError(f"ffmpeg failed ({proc.returncode}) writing {out_path.name}: {proc.stderr.strip()[-2000:]}")
-
-
-def _audio_args(sample_rate: int, channels: int) -> list[str]:
-    """ffmpeg's input options for our raw PCM and its AAC output options: one place for both paths."""
-    return ["-f", "f32le", "-ar", str(sample_rate), "-ac", str(channels)], ["-c:a", "aac", "-b:a", BITRATE]
 
 
 class BookEncoder:
@@ -118,9 +123,8 @@ class BookEncoder:
 
     def _pump(self) -> None:
         try:
-            with open(self.pcm_path, "rb") as f:
+            with open(self.pcm_path, "rb") as f:  # read on from where the last feed stopped
                 while (upto := self._upto.get()) is not None:
-                    f.seek(self._fed)
                     while self._fed < upto:
                         chunk = f.read(min(upto - self._fed, 1 << 22))
                         if not chunk:
@@ -145,17 +149,7 @@ class BookEncoder:
             why = [f"{type(self._error).__name__}: {self._error}"] if self._error is not None else []
             why += [err.strip()[-2000:]] if err.strip() else []
             raise FfmpegError(f"ffmpeg failed ({code}) encoding {out_path.name}: {'; '.join(why)}")
-        meta = out_path.with_suffix(".ffmeta")
-        meta.write_text(ffmetadata(title, marks, author), encoding="utf-8")
-        cmd = [
-            self.ffmpeg, "-nostdin", "-hide_banner", "-loglevel", "error", "-y",
-            "-i", str(self.audio_path), "-f", "ffmetadata", "-i", str(meta),
-            "-map", "0:a", "-map_metadata", "1", "-map_chapters", "1",
-            "-c", "copy", "-movflags", "+faststart", "-f", "mp4", str(out_path),
-        ]  # fmt: skip
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise FfmpegError(f"ffmpeg failed ({proc.returncode}) writing {out_path.name}: {proc.stderr.strip()[-2000:]}")
+        _write_marked(self.ffmpeg, ["-i", str(self.audio_path)], ["-c", "copy"], title, marks, author, out_path)
 
     def abort(self) -> None:
         """Stop the encoder (nothing to write: no chapter delivered, or the assembly is given up)."""
