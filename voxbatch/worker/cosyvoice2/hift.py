@@ -139,8 +139,11 @@ F0_FRAME_QUANTUM = 1
 # on their launches (bench/results/gpu_h200_worker23.json, A's raw utilisation against its log: 62% and
 # 56% as a 74- and a 63-row batch ended together, 70% at another end). Each row still runs alone at its
 # padded shape, so its F0 is the same bits in any batch (GPU test: graph and eager padded F0 equal).
-# A capture that fails is logged once and turns this off. Not measured yet: off. Bench switch `f0_graphs`.
-F0_ROW_GRAPHS = False
+# A capture that fails is logged once and turns this off. On: the worker on an H100, tasks of 16, A B A B A:
+# 294.7x / 301.2x with it vs 295.6x / 290.1x / 290.1x without (B/A 1.021), GPU busy 91.1 / 90.6% vs
+# 88.7 / 87.9 / 90.4% (bench/results/gpu_h100_f0graphs1.json; its GPU test passed there,
+# gpu_h100_f0graphs1_gpu_tests.txt). Bench switch `f0_graphs`.
+F0_ROW_GRAPHS = True
 F0_GRAPH_QUANTUM = 32  # frames; the widths a corpus meets (its longest mel / this, ~50), each one graph
 _f0_graphs_failed = False
 _f0_per_thread = threading.local()  # per (thread, device): capture stream, memory pool, graphs by width
