@@ -46,6 +46,7 @@ SWITCHES = {
     "hift_quantum": ("voxbatch.worker.cosyvoice2.engine", "HIFT_FRAME_QUANTUM", int),
     "f0_quantum": ("voxbatch.worker.cosyvoice2.hift", "F0_FRAME_QUANTUM", int),
     "f0_graphs": ("voxbatch.worker.cosyvoice2.hift", "F0_ROW_GRAPHS", _flag),
+    "phase_graphs": ("voxbatch.worker.cosyvoice2.hift", "PHASE_IN_ROW_GRAPH", _flag),
     "varlen": ("voxbatch.worker.cosyvoice2.flow_estimator", "VARLEN_ATTENTION", _flag),
     "packed": ("voxbatch.worker.cosyvoice2.llm", "PACKED_PREFILL", _flag),
     "merge": ("voxbatch.worker.cosyvoice2.streaming", "TAIL_MERGE", _flag),
@@ -68,6 +69,7 @@ SWITCHES = {
     "gcache": ("voxbatch.worker.cosyvoice2.flow", "STEP_GRAPH_CACHE", _flag),
     "sfwav": ("voxbatch.audio", "WAV_BY_LIBSNDFILE", _flag),
     "book_stream": ("voxbatch.producer.assemble", "BOOK_WHILE_ASSEMBLING", _flag),
+    "render_warm": ("voxbatch.embedded", "WARM_GRAPHS_AT_START", _flag),
 }
 
 

@@ -383,4 +383,88 @@ def test_f0_row_graphs_give_the_eager_padded_f0_bit_for_bit_on_gpu(monkeypatch):
         assert graphed[i, n:].abs().max().item() == 0.0 if n < mel.shape[2] else True
         assert torch.equal(model.f0(mel[i : i + 1, :, :n], [n])[0], graphed[i, :n])  # alone: the same bits
     slot = getattr(hift_mod._f0_per_thread, str(mel.device))
-    assert sorted(slot["graphs"]) == sorted({-(-n // hift_mod.F0_GRAPH_QUANTUM) * hift_mod.F0_GRAPH_QUANTUM for n in lengths})
+    widths = {-(-n // hift_mod.F0_GRAPH_QUANTUM) * hift_mod.F0_GRAPH_QUANTUM for n in lengths}
+    assert {(w, False) for w in widths} <= set(slot["graphs"])
+
+
+def _inference(hift, monkeypatch, phase_in_graph: bool, mel, lengths, seeds, device: str = "cpu"):
+    """HiFT's inference with PHASE_IN_ROW_GRAPH set, each row seeded from `seeds`."""
+    from voxbatch.worker.cosyvoice2 import hift as hift_mod
+
+    monkeypatch.setattr(hift_mod, "PHASE_IN_ROW_GRAPH", phase_in_graph)
+    return hift.inference(mel, lengths, [torch.Generator(device=device).manual_seed(s) for s in seeds])
+
+
+def _eager_row_graphs(monkeypatch, fail: bool = False) -> None:
+    """Row graphs opened on CPU with an eager stand-in for the CUDA graph: a 'replay' runs the same
+    predictor and phase code over the graph's own padded buffers (or, `fail`, no graph can be had)."""
+    from voxbatch.worker.cosyvoice2 import hift as hift_mod
+
+    class EagerRowGraph(hift_mod._RowGraph):
+        @classmethod
+        def get(cls, hift, mel, width, with_phase):
+            return None if fail else cls(hift, mel, width, with_phase)
+
+        def _replay(self):
+            self._outputs(self.hift())
+
+    for name, value in (("_GRAPH_DEVICES", ("cpu",)), ("_BATCHED_DEVICES", ("cpu",)), ("BATCHED_SOURCE", True),
+                        ("F0_ROW_GRAPHS", True), ("_RowGraph", EagerRowGraph)):
+        monkeypatch.setattr(hift_mod, name, value)
+
+
+def test_phase_from_the_row_graphs_gives_the_same_source_and_audio_on_cpu(hift, ref, monkeypatch):
+    """PHASE_IN_ROW_GRAPH's path (the draws first, each row's F0 and phase from its padded width's
+    graph, the batched source taking that phase), with an eager stand-in for the graph: the same source
+    and waveform, bit for bit, as F0 from the graphs with the phase row by row at the row's own length
+    (the padded frames' zero F0 adds nothing to the running phase)."""
+    _eager_row_graphs(monkeypatch)
+    _, padded, lengths = _batch(ref)
+    host, seeds = lengths.tolist(), (41, 42, 43)
+    wav_rows, src_rows = _inference(hift, monkeypatch, False, padded, host, seeds)
+    wav_graph, src_graph = _inference(hift, monkeypatch, True, padded, host, seeds)
+    assert torch.equal(src_graph, src_rows) and torch.equal(wav_graph, wav_rows)
+    spf = hift.d.samples_per_frame
+    for i, n in enumerate(host):
+        assert src_graph[i, :, : n * spf].abs().max().item() > 0
+
+
+def test_phase_graphs_that_cannot_be_had_leave_the_draws_as_they_were(hift, ref, monkeypatch):
+    """Where no row graph can be had, the phase path falls back to the eager F0 and phase without
+    drawing the noise again: the same audio as with row graphs off, from the same seeds."""
+    from voxbatch.worker.cosyvoice2 import hift as hift_mod
+
+    _, padded, lengths = _batch(ref)
+    host, seeds = lengths.tolist(), (51, 52, 53)
+    _eager_row_graphs(monkeypatch, fail=True)
+    wav_fallback, src_fallback = _inference(hift, monkeypatch, True, padded, host, seeds)
+    monkeypatch.setattr(hift_mod, "F0_ROW_GRAPHS", False)
+    wav_off, src_off = _inference(hift, monkeypatch, False, padded, host, seeds)
+    assert torch.equal(src_fallback, src_off) and torch.equal(wav_fallback, wav_off)
+
+
+@pytest.mark.gpu
+@torch.inference_mode()
+def test_phase_in_row_graphs_gives_the_eager_source_bit_for_bit_on_gpu(monkeypatch):
+    """PHASE_IN_ROW_GRAPH on CUDA: with each row's phase from its F0 graph, the source and waveform
+    are, bit for bit, what the row-by-row eager phase gives beside the same F0 graphs, and a row
+    alone gets the same source as in the batch. Random weights at the default (CosyVoice2-0.5B) dims."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from voxbatch.worker.cosyvoice2 import hift as hift_mod
+
+    monkeypatch.setattr(hift_mod, "F0_ROW_GRAPHS", True)
+    torch.manual_seed(0)
+    model = HiFTGenerator(hift_mod.HiftDims()).cuda().eval()
+    lengths, seeds = [70, 33, 64, 5, 70], (1, 2, 3, 4, 5)
+    mel = torch.randn(len(lengths), model.d.in_channels, max(lengths), device="cuda")
+    wav_rows, src_rows = _inference(model, monkeypatch, False, mel, lengths, seeds, "cuda")
+    wav_graph, src_graph = _inference(model, monkeypatch, True, mel, lengths, seeds, "cuda")
+    assert not hift_mod._f0_graphs_failed
+    assert torch.equal(src_graph, src_rows) and torch.equal(wav_graph, wav_rows)
+    spf = model.d.samples_per_frame
+    for i, n in enumerate(lengths):
+        _, alone = _inference(model, monkeypatch, True, mel[i : i + 1, :, :n], [n], seeds[i : i + 1], "cuda")
+        assert torch.equal(alone[0, :, : n * spf], src_graph[i, :, : n * spf])
+    slot = getattr(hift_mod._f0_per_thread, str(mel.device))
+    assert {(-(-n // hift_mod.F0_GRAPH_QUANTUM) * hift_mod.F0_GRAPH_QUANTUM, True) for n in lengths} <= set(slot["graphs"])

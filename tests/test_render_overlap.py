@@ -105,3 +105,29 @@ def test_a_failing_segment_exits_1_delivers_the_other_chapters_and_resumes(tmp_p
     assert mtimes(job.glob("segments/*/*.wav")) == stored
     assert [c.key is not None for c in Manifest.model_validate_json((job / "manifest.json").read_text()).chapters] == [
         True, False, True]
+
+
+def test_graphs_warmed_at_start_are_warmed_once_before_rendering(voiced_out, tiny_model_dir, tmp_path, one_torch_thread,
+                                                                 monkeypatch):
+    """With `embedded.WARM_GRAPHS_AT_START` the engine-start thread calls the engine's `warm_graphs`
+    once, after the probe and before any segment renders, and the render completes as without it."""
+    import threading
+
+    from voxbatch import embedded
+    from voxbatch.worker.cosyvoice2.engine import CosyVoice2Engine
+
+    calls: list[tuple[str, int]] = []
+    warm = CosyVoice2Engine.warm_graphs
+
+    def recorded(engine):
+        calls.append((threading.current_thread().name, len(list(voiced_out.glob("jobs/*/segments/*/*.wav")))))
+        warm(engine)
+
+    monkeypatch.setattr(embedded, "WARM_GRAPHS_AT_START", True)
+    monkeypatch.setattr(CosyVoice2Engine, "warm_graphs", recorded)
+    book = corpora.write_md(tmp_path / "book.md", corpora.CHAPTERS[:1])
+    before = len(list(voiced_out.glob("jobs/*/segments/*/*.wav")))
+    code, result, err = render(str(book), "--out", str(voiced_out), "--voice", "v1", "--engine", "cosyvoice2",
+                               "--model-dir", str(tiny_model_dir), "--max-tokens", "20", env=TWO_AT_A_TIME)
+    assert code == 0 and result["state"] == "completed" and result["reused"] == 0, err
+    assert calls == [("engine-start", before)]

@@ -48,6 +48,13 @@ log = logging.getLogger(__name__)
 STOP_GRACE_S = 0.5  # after Ctrl-C, how long uploads may finish before the process leaves (threads are daemons)
 PROBE_TEXT = "Ready."
 PROBE_MAX_TOKENS = 25
+# After the probe, the engine-start thread also builds what the engine builds as its batches first
+# reach each size (`Engine.warm_graphs`: the LLM's decode graphs for every row count), beside the model
+# digest, instead of the LLM thread capturing them as its rows first grow in the first seconds of
+# rendering (~1.2 s of its samples there, bench/results/diagnostics/gpu_h100_render2_pyspy.txt). Start-up
+# gets longer by what the first segment saves, if it pays at all: not measured yet, off. Bench switch
+# `render_warm`.
+WARM_GRAPHS_AT_START = False
 
 
 class RenderError(ValueError):
@@ -120,6 +127,8 @@ class _EngineStart:
             digest = threading.Thread(target=engine.fingerprint, name="model-digest", daemon=True)
             digest.start()
             check_engine(engine, voice, params)
+            if WARM_GRAPHS_AT_START:
+                engine.warm_graphs()
             digest.join()
             self._engine = engine
         except BaseException as e:  # noqa: BLE001 - handed to the main thread by result()

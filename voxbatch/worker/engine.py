@@ -75,6 +75,11 @@ class Engine(ABC):
         """Run a small batch so kernels, graphs and caches are ready before the first task."""
         list(self.synthesize([SynthesisRequest("warmup", "Warm up.", "default", 0)]))
 
+    def warm_graphs(self) -> None:
+        """Build what the engine would otherwise build as its batches first reach each size (the LLM
+        backend's CUDA graphs per row count): part of `warmup`; `voxbatch render` may call it after
+        its probe. Nothing by default."""
+
     @abstractmethod
     def synthesize(self, batch: list[SynthesisRequest]) -> Iterator[SynthesisResult]:
         """Synthesize a batch; yield each result as soon as it is ready (any order)."""

@@ -503,6 +503,9 @@ class CosyVoice2Engine(Engine):
         for result in self._run([_Item(request, voice, self.llm_request(request, voice))]):
             if result.error:
                 raise RuntimeError(f"cosyvoice2 warm-up failed: {result.error}")
+        self.warm_graphs()
+
+    def warm_graphs(self) -> None:
         self.llm.warmup()
 
     def serve(self, intake, emit, stop, observe=None, admit=None) -> None:

@@ -145,8 +145,16 @@ F0_FRAME_QUANTUM = 1
 # gpu_h100_f0graphs1_gpu_tests.txt). Bench switch `f0_graphs`.
 F0_ROW_GRAPHS = True
 F0_GRAPH_QUANTUM = 32  # frames; the widths a corpus meets (its longest mel / this, ~50), each one graph
+# With F0_ROW_GRAPHS, each row's harmonic phase (SourceModule.phase: its frame-rate integration and the
+# upsampling to samples, ~12 op calls per row) in the same graph as its F0: it needs only the row's F0
+# and its initial phases, so a row costs one more copy in and one out instead of those calls. Past the
+# row's end the graph's F0 is zero, so the padded frames add nothing to the running phase and the
+# upsampling's last half frame interpolates between two equal values, as it does clamped at the row's
+# end: the phase is the eager one's (GPU test). Not measured yet: off. Bench switch `phase_graphs`.
+PHASE_IN_ROW_GRAPH = False
+_GRAPH_DEVICES = ("cuda",)  # where rows run as graphs (a CPU test opens CPU with an eager stand-in)
 _f0_graphs_failed = False
-_f0_per_thread = threading.local()  # per (thread, device): capture stream, memory pool, graphs by width
+_f0_per_thread = threading.local()  # per (thread, device): capture stream, memory pool, graphs by (width, phase)
 
 
 class F0Predictor(nn.Module):
@@ -171,24 +179,35 @@ class F0Predictor(nn.Module):
         return f0 * mask[:, 0]
 
 
-class _F0RowGraph:
-    """The F0 predictor over one row of `width` frames, as a CUDA graph over buffers of its own: the
-    row's mel goes into `mel` (zeros past its length), its length into `length`; `f0` is the output."""
+class _RowGraph:
+    """One row of `width` frames through HiFT's F0 predictor (and, `with_phase`, the source's harmonic
+    phase) as a CUDA graph over buffers of its own: the row's mel goes into `mel` (zeros past its
+    length), its length into `length`, its initial phases into `phase0`; `f0` and `phase` are the outputs."""
 
-    def __init__(self, predictor: F0Predictor, mel: torch.Tensor, width: int):
-        self.predictor = weakref.ref(predictor)  # a freed model's graph is not used for another
+    def __init__(self, hift: HiFTGenerator, mel: torch.Tensor, width: int, with_phase: bool):
+        self.hift = weakref.ref(hift)  # a freed model's graph is not used for another
         self.mel = mel.new_zeros(1, mel.shape[1], width)  # (1, 80, width)
         self.length = torch.zeros((), dtype=torch.long, device=mel.device)
-        self.graph = torch.cuda.CUDAGraph()
+        self.phase0 = torch.zeros(1, hift.d.nb_harmonics + 1, device=mel.device)  # (1, H)
+        self.with_phase, self.up = with_phase, hift.d.samples_per_frame
+        self.graph: torch.cuda.CUDAGraph | None = None  # captured by get()
         self.f0: torch.Tensor | None = None
+        self.phase: torch.Tensor | None = None
 
-    def _run(self, predictor: F0Predictor) -> torch.Tensor:
+    def _run(self, hift: HiFTGenerator) -> tuple[torch.Tensor, torch.Tensor | None]:
         steps = torch.arange(self.mel.shape[2], device=self.mel.device)
         mask = (steps < self.length).to(self.mel.dtype)[None, None, :]  # (1, 1, width)
-        return predictor(self.mel, mask)  # (1, width)
+        f0 = hift.f0_predictor(self.mel, mask)  # (1, width), zero past the row's length
+        return f0, hift.m_source.phase(f0, self.phase0) if self.with_phase else None  # (1, H, width * up)
+
+    def _outputs(self, hift: HiFTGenerator) -> None:
+        self.f0, self.phase = self._run(hift)
+
+    def _replay(self) -> None:
+        self.graph.replay()
 
     @classmethod
-    def get(cls, predictor: F0Predictor, mel: torch.Tensor, width: int) -> _F0RowGraph | None:
+    def get(cls, hift: HiFTGenerator, mel: torch.Tensor, width: int, with_phase: bool) -> _RowGraph | None:
         """This thread's graph for `width` frames on mel's device, captured (after one eager run at that
         shape, which builds cuDNN's plans) on first use; None once a capture has failed (logged once)."""
         global _f0_graphs_failed
@@ -196,29 +215,34 @@ class _F0RowGraph:
         if slot is None:
             slot = {"stream": torch.cuda.Stream(mel.device), "pool": torch.cuda.graph_pool_handle(), "graphs": {}}
             setattr(_f0_per_thread, str(mel.device), slot)
-        g = slot["graphs"].get(width)
-        if g is not None and g.predictor() is predictor:
+        g = slot["graphs"].get((width, with_phase))
+        if g is not None and g.hift() is hift:
             return g
-        g = cls(predictor, mel, width)
+        g = cls(hift, mel, width, with_phase)
         try:
-            g._run(predictor)
-            cuda_graphs.capture(g.graph, slot["stream"], slot["pool"], lambda: setattr(g, "f0", g._run(predictor)))
+            g._run(hift)
+            g.graph = torch.cuda.CUDAGraph()
+            cuda_graphs.capture(g.graph, slot["stream"], slot["pool"], lambda: g._outputs(hift))
         except Exception as e:  # noqa: BLE001 - the eager F0 still works
             log.warning("F0 CUDA graph unavailable (%s: %s); F0 runs eagerly", type(e).__name__, e)
             _f0_graphs_failed = True
             return None
-        slot["graphs"][width] = g
+        slot["graphs"][(width, with_phase)] = g
         return g
 
-    def __call__(self, row: torch.Tensor) -> torch.Tensor:
-        """row (1, 80, n), n <= width -> F0 (1, n), as the predictor gives it for the row padded to width."""
+    def __call__(self, row: torch.Tensor, phase0: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """row (1, 80, n), n <= width (and phase0 (1, H) with_phase) -> F0 (1, n) and phase (H, n * up)
+        or None, as the eager predictor and phase give them for the row padded to width."""
         n = row.shape[2]
         self.mel[:, :, :n].copy_(row)
         if n < self.mel.shape[2]:
             self.mel[:, :, n:].zero_()
         self.length.fill_(n)
-        self.graph.replay()
-        return self.f0[:, :n]
+        if self.with_phase:
+            self.phase0.copy_(phase0)
+        self._replay()
+        phase = self.phase[0, :, : n * self.up] if self.with_phase else None
+        return self.f0[:, :n], phase
 
 
 # ---------------------------------------------------------------------------------------------
@@ -300,6 +324,11 @@ def _normal_time_major(B: int, T: int, H: int, generator: torch.Generator | None
 # by where the row falls in the batch), the benchmark's A/B (`source=0`).
 BATCHED_SOURCE = True
 _BATCHED_DEVICES = ("cuda",)  # where the batched form runs (a test opens CPU)
+
+
+def batched_source(device: torch.device) -> bool:
+    """Whether the source's sample-rate half runs over the padded batch on `device` (BATCHED_SOURCE)."""
+    return BATCHED_SOURCE and device.type in _BATCHED_DEVICES
 # Per-row CUDA noise drawn straight into the batch's rows (`draw_source_noise`): the same numbers in a
 # third of the launches. Engine on the H200: 318.0x (318.0, 329.7) with it and the one-gather mel
 # (engine.GATHER_TO_HIFT) vs 316.7x (316.7, 331.1) without either, A B B A
@@ -346,11 +375,15 @@ class SourceModule(nn.Module):
         """One row: f0 (1, T_mel) Hz, phase0 (1, H) -> harmonic sines (1, T_wav, H) * amplitude, fp32."""
         return torch.sin(self.phase(f0, phase0).transpose(1, 2)) * self.d.nsf_alpha
 
-    def forward(self, f0: torch.Tensor, mel_lengths: torch.Tensor | Sequence[int], noise: SourceNoise) -> torch.Tensor:
+    def forward(
+        self, f0: torch.Tensor, mel_lengths: torch.Tensor | Sequence[int], noise: SourceNoise, phase: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`phase` (B, H, T_wav of the longest row): each row's harmonic phase as `phase` makes it, where
+        the caller has it already (HiFT's row graphs; the batched form only)."""
         B, T_mel = f0.shape
         host = host_lengths(mel_lengths, B, T_mel)
-        if BATCHED_SOURCE and f0.device.type in _BATCHED_DEVICES:
-            return self._batched(f0, host, noise)
+        if batched_source(f0.device):
+            return self._batched(f0, host, noise, phase)
         d, up = self.d, self.d.samples_per_frame
         w, b = self.l_linear.weight.float(), self.l_linear.bias.float()
         source = torch.zeros(B, 1, T_mel * up, device=f0.device)
@@ -363,7 +396,7 @@ class SourceModule(nn.Module):
             source[row, :, : n * up] = torch.tanh(F.linear(excitation, w, b))[0].transpose(0, 1)  # (T_wav_b, 1) -> (1, T_wav_b)
         return source
 
-    def _batched(self, f0: torch.Tensor, host: list[int], noise: SourceNoise) -> torch.Tensor:
+    def _batched(self, f0: torch.Tensor, host: list[int], noise: SourceNoise, phase: torch.Tensor | None = None) -> torch.Tensor:
         """The forward with the sample-rate half over the whole batch, (B, H, T) channel-major so every
         pass reads contiguous rows; T is the longest row's samples, the source is padded with zeros
         to T_mel samples per frame."""
@@ -371,10 +404,11 @@ class SourceModule(nn.Module):
         B, T_mel = f0.shape
         T = max(host, default=0) * up
         H = d.nb_harmonics + 1
-        phase = torch.zeros(B, H, T, device=f0.device)
-        for row, n in enumerate(host):
-            if n:
-                phase[row, :, : n * up] = self.phase(f0[row : row + 1, :n].float(), noise.phase0[row : row + 1])[0]
+        if phase is None:
+            phase = torch.zeros(B, H, T, device=f0.device)
+            for row, n in enumerate(host):
+                if n:
+                    phase[row, :, : n * up] = self.phase(f0[row : row + 1, :n].float(), noise.phase0[row : row + 1])[0]
         sines = torch.sin(phase) * d.nsf_alpha  # (B, H, T)
         uv = (f0[:, : T // up].float().repeat_interleave(up, dim=1) > d.nsf_voiced_threshold).float()[:, None]  # (B, 1, T)
         noise_amp = uv * d.nsf_sigma + (1 - uv) * d.nsf_alpha / 3
@@ -556,17 +590,10 @@ class HiFTGenerator(nn.Module):
         dtype = self.f0_predictor.classifier.weight.dtype  # fp32 as load_hift leaves it
         mel = mel.to(dtype)
         B, _, T_mel = mel.shape
-        if F0_ROW_GRAPHS and mel.is_cuda and not _f0_graphs_failed:
-            with torch.inference_mode():  # the graphs' buffers are inference tensors, written in place
-                f0 = mel.new_zeros(B, T_mel)
-                for b, n in enumerate(host_lengths(mel_lengths, B, T_mel)):
-                    if not n:
-                        continue
-                    graph = _F0RowGraph.get(self.f0_predictor, mel, -(-n // F0_GRAPH_QUANTUM) * F0_GRAPH_QUANTUM)
-                    if graph is None:  # graphs are off now: this call eagerly
-                        return self.f0(mel, mel_lengths)
-                    f0[b, :n] = graph(mel[b : b + 1, :, :n])
-                return f0
+        if self._row_graphs(mel):
+            rows = self._graph_rows(mel, host_lengths(mel_lengths, B, T_mel))
+            if rows is not None:
+                return rows[0]
         if B == 1 and F0_FRAME_QUANTUM == 1:
             return self.f0_predictor(mel, length_mask(split_lengths(mel_lengths, B, T_mel, mel.device)[0], T_mel, dtype))
         f0 = mel.new_zeros(B, T_mel)
@@ -579,6 +606,31 @@ class HiFTGenerator(nn.Module):
                 mask[:, :, n:] = 0
             f0[b, :n] = self.f0_predictor(row, mask)[0, :n]
         return f0
+
+    def _row_graphs(self, mel: torch.Tensor) -> bool:
+        """Whether this call's rows go through their CUDA graphs (F0_ROW_GRAPHS)."""
+        return F0_ROW_GRAPHS and mel.device.type in _GRAPH_DEVICES and not _f0_graphs_failed
+
+    def _graph_rows(
+        self, mel: torch.Tensor, host: list[int], phase0: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """F0 (B, T_mel) of each row from its width's graph, and with `phase0` (B, H) its harmonic phase
+        (B, H, T_wav of the longest row), zero past each row; None where a capture failed (graphs off)."""
+        B, _, T_mel = mel.shape
+        up = self.d.samples_per_frame
+        with torch.inference_mode():  # the graphs' buffers are inference tensors, written in place
+            f0 = mel.new_zeros(B, T_mel)
+            phase = None if phase0 is None else mel.new_zeros(B, phase0.shape[1], max(host, default=0) * up)
+            for b, n in enumerate(host):
+                if not n:
+                    continue
+                graph = _RowGraph.get(self, mel, -(-n // F0_GRAPH_QUANTUM) * F0_GRAPH_QUANTUM, phase is not None)
+                if graph is None:
+                    return None
+                f0[b, :n], row_phase = graph(mel[b : b + 1, :, :n], None if phase0 is None else phase0[b : b + 1])
+                if phase is not None:
+                    phase[b, :, : n * up] = row_phase
+            return f0, phase
 
     def source(
         self,
@@ -646,8 +698,16 @@ class HiFTGenerator(nn.Module):
         overwrites the first n source samples (streaming: continue the previous chunk's source).
         """
         lengths, host = split_lengths(mel_lengths, mel.shape[0], mel.shape[2], mel.device)
-        f0 = self.f0(mel, host)
-        source = self.source(f0, host, generators)
+        if PHASE_IN_ROW_GRAPH and self._row_graphs(mel) and batched_source(mel.device):
+            # The draws first (F0 draws nothing, so each generator gives what it gave after F0): the
+            # graphs need each row's initial phases.
+            wav_lengths = [n * self.d.samples_per_frame for n in host]
+            noise = draw_source_noise(self.d.nb_harmonics + 1, wav_lengths, generators, device=mel.device)
+            rows = self._graph_rows(mel, host, noise.phase0)
+            f0, phase = rows if rows is not None else (self.f0(mel, host), None)
+            source = self.m_source(f0, host, noise, phase)
+        else:
+            source = self.source(self.f0(mel, host), host, generators)
         if cache_source is not None and cache_source.shape[2] > 0:
             source[:, :, : cache_source.shape[2]] = cache_source.float()
         return self.decode(mel, source, lengths), source
