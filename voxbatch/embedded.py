@@ -51,9 +51,11 @@ PROBE_MAX_TOKENS = 25
 # After the probe, the engine-start thread also builds what the engine builds as its batches first
 # reach each size (`Engine.warm_graphs`: the LLM's decode graphs for every row count), beside the model
 # digest, instead of the LLM thread capturing them as its rows first grow in the first seconds of
-# rendering (~1.2 s of its samples there, bench/results/diagnostics/gpu_h100_render2_pyspy.txt). Start-up
-# gets longer by what the first segment saves, if it pays at all: not measured yet, off. Bench switch
-# `render_warm`.
+# rendering (~1.2 s of its samples there, bench/results/diagnostics/gpu_h100_render2_pyspy.txt). Off: it
+# does not pay. `voxbatch render` of a 58-minute book on an H100, A B A: wall 36.8 s with it vs 28.3 /
+# 28.5 s without (B/A 1.294): start-up 20.4 s vs 10.7 / 11.1 s (every row count's graphs at every
+# attention width, most of which a book never meets) for a first segment 2.7 s vs 3.7 / 4.0 s
+# (bench/results/gpu_h100_phase1.json, stage render). Bench switch `render_warm`.
 WARM_GRAPHS_AT_START = False
 
 

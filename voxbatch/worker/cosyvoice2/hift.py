@@ -150,8 +150,10 @@ F0_GRAPH_QUANTUM = 32  # frames; the widths a corpus meets (its longest mel / th
 # and its initial phases, so a row costs one more copy in and one out instead of those calls. Past the
 # row's end the graph's F0 is zero, so the padded frames add nothing to the running phase and the
 # upsampling's last half frame interpolates between two equal values, as it does clamped at the row's
-# end: the phase is the eager one's (GPU test). Not measured yet: off. Bench switch `phase_graphs`.
-PHASE_IN_ROW_GRAPH = False
+# end: the phase is the eager one's (GPU test, passed on an H100: gpu_h100_phase1_gpu_tests.txt). On: the
+# worker on an H100, tasks of 16, A B A B A: 281.5x / 280.8x with it vs 266.9x / 273.0x / 278.4x without
+# (B/A 1.031, both B runs above every A; bench/results/gpu_h100_phase1.json). Bench switch `phase_graphs`.
+PHASE_IN_ROW_GRAPH = True
 _GRAPH_DEVICES = ("cuda",)  # where rows run as graphs (a CPU test opens CPU with an eager stand-in)
 _f0_graphs_failed = False
 _f0_per_thread = threading.local()  # per (thread, device): capture stream, memory pool, graphs by (width, phase)
