@@ -308,6 +308,20 @@ def generic_section(stage: str, st: dict, name: str, r: dict) -> list[str]:
     return [f"### {stage}", "", f"From {source(name, r)}." + (f" {st['note']}" if isinstance(st.get("note"), str) else ""), "", *flat_table(st)]
 
 
+def render_section(stage: str, st: dict, name: str, r: dict) -> list[str]:
+    """The render run's measures, and its A/B (`--render-ab`) as one row per run instead of dotted keys."""
+    lines = generic_section(stage, {k: v for k, v in st.items() if k != "ab"}, name, r)
+    ab = st.get("ab")
+    if not ab:
+        return lines
+    cols = ("wall_s", "x_realtime", "startup_s", "first_segment_s", "rendering_s", "assembly_tail_s")
+    runs = [("A", ab["a_runs"][0])] + [(f"B: `{v['spec']}` (wall B/A {v['wall_over_a_mean']})", v["run"]) for v in ab["variants"]]
+    runs += [("A again", ab["a_runs"][1])]
+    rows = [[label, *(num(run.get(c)) for c in cols)] for label, run in runs]
+    return lines + ["", f"A/B in the same run ({ab['order']}):", "",
+                    *table(["run", "wall s", "x real time", "start-up s", "first segment s", "rendering s", "assembly tail s"], rows)]
+
+
 def flat_table(st: dict) -> list[str]:
     """Every number, string and flag of a stage, one row per dotted key (for stages without a layout)."""
     rows: list[list[str]] = []
@@ -335,7 +349,7 @@ def invariance_section(stage: str, st: dict, name: str, r: dict) -> list[str]:
 
 
 STAGE_SECTIONS = {"llm": llm_section, "vllm": llm_section, "parts": parts_section, "profile": profile_section,
-                  "accuracy": accuracy_section, "invariance": invariance_section}
+                  "accuracy": accuracy_section, "invariance": invariance_section, "render": render_section}
 
 
 # -- docs/scaling.md ------------------------------------------------------------------------------------------
@@ -432,11 +446,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true", help="change nothing; exit 1 if a generated block is stale")
     ap.add_argument("--results", type=Path, default=RESULTS, help="folder of result files")
+    ap.add_argument("--root", type=Path, default=REPO, help="folder holding the docs to regenerate (a copy, in tests)")
     args = ap.parse_args()
     results = load_results(args.results)
     stale = []
     for rel in FILES:
-        path = REPO / rel
+        path = args.root / rel
         text = path.read_text(encoding="utf-8")
         new = render(text, results, rel)
         if new != text:

@@ -123,3 +123,31 @@ def test_the_first_table_is_the_newest_whole_h200_worker_result(tmp_path):
             (tmp_path / n).unlink(missing_ok=True)
     out = report("--check", "--results", str(tmp_path))
     assert out.returncode == 1 and "BENCHMARKS.md" in out.stderr
+
+
+def test_a_render_ab_is_one_row_per_run(tmp_path):
+    """A render stage with an A/B (`--render-ab`) comes out as a table with a row per run (A, each B
+    with its wall over the A runs' mean, A again), not as dotted `ab.` keys."""
+    results = {p.name: json.loads(p.read_text()) for p in RESULTS.glob("*.json")}
+    for n in results:
+        shutil.copy(RESULTS / n, tmp_path / n)
+    _, base = max(((n, r) for n, r in results.items() if isinstance(r.get("stages", {}).get("render"), dict)
+                      and "skipped" not in r["stages"]["render"]), key=lambda kv: kv[1]["when"])
+    r = json.loads(json.dumps(base))
+    r["when"] = "9999-01-01T00:00:00Z"
+    run = {k: v for k, v in r["stages"]["render"].items() if k != "ab"}
+    slower = {**run, "wall_s": round(run["wall_s"] * 1.5, 3), "x_realtime": round(run["x_realtime"] / 1.5, 1)}
+    r["stages"]["render"]["ab"] = {"order": "A B1 A", "a_runs": [run, run],
+                                   "variants": [{"spec": "probe_switch=1", "run": slower, "wall_over_a_mean": 1.5}]}
+    (tmp_path / "zz_render_ab.json").write_text(json.dumps(r))
+    docs = tmp_path / "docs"
+    (docs / "docs").mkdir(parents=True)
+    shutil.copy(REPO / "BENCHMARKS.md", docs / "BENCHMARKS.md")
+    shutil.copy(REPO / "docs" / "scaling.md", docs / "docs" / "scaling.md")
+    out = report("--results", str(tmp_path), "--root", str(docs))
+    assert out.returncode == 0, out.stderr
+    text = (docs / "BENCHMARKS.md").read_text(encoding="utf-8")
+    section = text[text.index("### render"):]
+    assert "| B: `probe_switch=1` (wall B/A 1.5) |" in section
+    assert f"| A | {run['wall_s']} |" in section and f"| A again | {run['wall_s']} |" in section
+    assert "`ab." not in section
