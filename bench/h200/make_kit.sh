@@ -35,8 +35,12 @@ fi
 cp bench/h200/run.sh "$kit/run.sh"
 rm -rf "$kit/src" && mkdir -p "$kit/src" && git archive HEAD | tar -x -C "$kit/src"
 git rev-parse HEAD > "$kit/src/bench/COMMIT"  # the commit measured (the copy has no .git)
-# The fixture's small files the benchmark's official folder borrows (yaml, tokenizer, voice front-end ONNX).
+# The fixture's small files the benchmark's official folder borrows (yaml, tokenizer, voice front-end ONNX),
+# and what the HiFT and LLM GPU tests read (weights, references, prompts; ~9 MB): GPU_TESTS= of
+# tests/test_cosyvoice2_hift.py then runs its fixture tests too. flow.pt (45 MB) stays home: the kit
+# must fit a device call, so tests of the flow or the whole engine on the fixture do not run there.
 fix=../shared/fixtures/cosyvoice2-tiny
 mkdir -p "$kit/shared/fixtures/cosyvoice2-tiny"
-cp -r "$fix/cosyvoice2.yaml" "$fix"/*.onnx "$fix/CosyVoice-BlankEN" "$kit/shared/fixtures/cosyvoice2-tiny/"
+cp -r "$fix/cosyvoice2.yaml" "$fix"/*.onnx "$fix/CosyVoice-BlankEN" "$fix/hift.pt" "$fix/llm.pt" "$fix/reference.npz" \
+  "$fix/reference_meta.json" "$fix"/prompt_*.wav "$kit/shared/fixtures/cosyvoice2-tiny/"
 du -sh "$kit"
