@@ -47,6 +47,7 @@ SWITCHES = {
     "f0_quantum": ("voxbatch.worker.cosyvoice2.hift", "F0_FRAME_QUANTUM", int),
     "f0_graphs": ("voxbatch.worker.cosyvoice2.hift", "F0_ROW_GRAPHS", _flag),
     "phase_graphs": ("voxbatch.worker.cosyvoice2.hift", "PHASE_IN_ROW_GRAPH", _flag),
+    "hift_cl": ("voxbatch.worker.cosyvoice2.hift", "CHANNELS_LAST", _flag),
     "varlen": ("voxbatch.worker.cosyvoice2.flow_estimator", "VARLEN_ATTENTION", _flag),
     "packed": ("voxbatch.worker.cosyvoice2.llm", "PACKED_PREFILL", _flag),
     "merge": ("voxbatch.worker.cosyvoice2.streaming", "TAIL_MERGE", _flag),

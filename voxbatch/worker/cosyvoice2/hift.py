@@ -41,6 +41,7 @@ from voxbatch.worker.cosyvoice2.conv_epilogue import conv_epilogue
 from voxbatch.worker.cosyvoice2.derived import DerivedWeight
 from voxbatch.worker.cosyvoice2.h2d import host_lengths, split_lengths, to_device
 from voxbatch.worker.cosyvoice2.lazy_kernel import interpreting
+from voxbatch.worker.cosyvoice2.snake_kernel import channels_last
 from voxbatch.worker.cosyvoice2.checkpoint import ModelDirError, check_keys, empty_init, load_state_dict, read_config, section
 
 log = logging.getLogger(__name__)
@@ -461,17 +462,59 @@ class Snake(nn.Module):
 FUSED_CONV_EPILOGUE = True
 
 
+# HiFT's decode with its activations channels-last: each (B, C, T) activation stored (B, T, C) and each
+# convolution's weight likewise (made once per weight), so cuDNN runs its NHWC kernels on them as they
+# are. Stored (B, C, T), cuDNN transposes every convolution's input to NHWC and its output back:
+# 123 ms of a 128-row batch's 513 ms of HiFT device time on an H100 (nchwToNhwc/nhwcToNchw in
+# bench/results/gpu_h100_worker26_profile.txt), besides the epilogue's and Snake's passes. The conv
+# epilogue and Snake kernels take either layout with the same per-element arithmetic; the convolutions
+# are cuDNN's NHWC kernels instead of its NCHW ones, so the waveform moves by their rounding (tests: the
+# fixture's reference tolerance, and batched against single, on a GPU). Not measured yet: off. Read at
+# every call; bench switch `hift_cl`.
+CHANNELS_LAST = False
+_CL_DEVICES = ("cuda",)  # where it runs (a CPU test opens CPU)
+
+
+def to_channels_last(x: torch.Tensor) -> torch.Tensor:
+    """(B, C, T) -> the same values stored (B, T, C) (x itself where it already is)."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def _channels_last_here(x: torch.Tensor) -> bool:
+    """Whether x is a channels-last activation of a CHANNELS_LAST decode (an input that merely arrives
+    so strided, such as the engine's gathered mel, keeps the default path's kernels)."""
+    return CHANNELS_LAST and x.device.type in _CL_DEVICES and channels_last(x) is True
+
+
+def conv_weight(conv: nn.Conv1d | nn.ConvTranspose1d, x: torch.Tensor) -> torch.Tensor:
+    """conv's weight in x's layout: stored channels-last (a copy kept per conv, remade if the weight
+    changes) where x is, so cuDNN picks its NHWC kernels without transposing the weight per call."""
+    if not _channels_last_here(x):
+        return conv.weight
+    derived = getattr(conv, "_channels_last_weight", None)
+    if derived is None:
+        derived = conv._channels_last_weight = DerivedWeight(to_channels_last)
+    return derived(conv.weight)
+
+
+def _in_layout_of(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """A conv's output y stored channels-last where its input x is: a backend may write it (B, C, T)
+    (oneDNN's 1x1 conv does), and one layout through a block lets the epilogue take y with its skip."""
+    return to_channels_last(y) if _channels_last_here(x) and channels_last(y) is False else y
+
+
 def masked_conv(conv: nn.Conv1d, x: torch.Tensor, mask: torch.Tensor, skip: torch.Tensor | None = None) -> torch.Tensor:
     """conv(x) * mask (B, C, T), plus `skip` where given (a residual block's x + ...)."""
     fusable = conv.bias is not None and conv.padding_mode == "zeros" and x.dtype == torch.float32
     if FUSED_CONV_EPILOGUE and fusable and (x.is_cuda or interpreting()):  # a CPU conv folds its bias in: eager there
-        y = F.conv1d(x, conv.weight, None, conv.stride, conv.padding, conv.dilation, conv.groups)
+        y = _in_layout_of(x, F.conv1d(x, conv_weight(conv, x), None, conv.stride, conv.padding, conv.dilation, conv.groups))
         out = conv_epilogue(y, conv.bias, mask, skip)
         if out is not None:
             return out
         y = (y + conv.bias[None, :, None]) * mask  # = conv(x) * mask: torch adds a cuDNN conv's bias after the conv
     else:
-        y = conv(x) * mask
+        y = (conv(x) if not _channels_last_here(x) else _in_layout_of(
+            x, F.conv1d(x, conv_weight(conv, x), conv.bias, conv.stride, conv.padding, conv.dilation, conv.groups))) * mask
     return y if skip is None else skip + y
 
 
@@ -656,24 +699,28 @@ class HiFTGenerator(nn.Module):
         B, _, T_mel = mel.shape
         wav_lengths = mel_lengths * d.samples_per_frame
         spec_lengths = wav_lengths // d.hop_len + 1
-        s_spec = self._stft(source, wav_lengths).to(self.dtype)  # (B, n_fft + 2, T_spec)
+        layout = to_channels_last if CHANNELS_LAST and mel.device.type in _CL_DEVICES else (lambda t: t)
+        s_spec = layout(self._stft(source, wav_lengths).to(self.dtype))  # (B, n_fft + 2, T_spec)
 
         mel_mask = length_mask(mel_lengths, T_mel, self.dtype)
-        x = masked_conv(self.conv_pre, mel.to(self.dtype) * mel_mask, mel_mask)  # (B, C, T_mel)
+        x = masked_conv(self.conv_pre, layout(mel.to(self.dtype) * mel_mask), mel_mask)  # (B, C, T_mel)
         lengths = mel_lengths
         n_up, n_k = len(self.ups), len(d.resblock_kernel_sizes)
         for i, up in enumerate(self.ups):
-            x = up(F.leaky_relu(x, d.lrelu_slope))  # (B, C / 2^(i+1), T * rate)
+            x = F.leaky_relu(x, d.lrelu_slope)
+            x = F.conv_transpose1d(x, conv_weight(up, x), up.bias, up.stride, up.padding, up.output_padding, up.groups,
+                                   up.dilation)  # (B, C / 2^(i+1), T * rate)
             lengths = lengths * d.upsample_rates[i]
             if i == n_up - 1:
-                x = F.pad(x, (1, 0), mode="reflect")  # one more frame to match the STFT frame count
+                x = layout(F.pad(x, (1, 0), mode="reflect"))  # one more frame to match the STFT frame count
                 lengths = lengths + 1
             mask = length_mask(lengths, x.shape[2], self.dtype)
             x = x * mask
             si = masked_conv(self.source_downs[i], s_spec, mask)
             x = x + self.source_resblocks[i](si, mask)
             x = sum(self.resblocks[i * n_k + j](x, mask) for j in range(n_k)) / n_k
-        x = self.conv_post(F.leaky_relu(x))  # default slope 0.01 here, as the official code
+        x = F.leaky_relu(x)  # default slope 0.01 here, as the official code
+        x = F.conv1d(x, conv_weight(self.conv_post, x), self.conv_post.bias, padding=self.conv_post.padding)
         half = d.n_fft // 2 + 1
         magnitude = torch.exp(x[:, :half].float())
         phase = torch.sin(x[:, half:].float())  # (B, n_fft/2 + 1, T_spec) each

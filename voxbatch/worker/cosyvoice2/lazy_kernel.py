@@ -54,3 +54,18 @@ class LazyKernel:
             log.warning("%s unavailable (%s: %s); %s", self.what, type(e).__name__, e, self.fallback)
             self.built = False
             return None
+
+
+def per_layout(build: Callable[[], tuple[Any, tuple[Any, Any]]], what: str, fallback: str) -> dict[bool, LazyKernel]:
+    """A LazyKernel per layout of HiFT's (B, C, T) activations, keyed by `snake_kernel.channels_last`
+    (False: stored (B, C, T), True: stored (B, T, C)), over one `build()` -> (triton, (kernel,
+    channels-last kernel)): a channels-last kernel that fails on some GPU leaves the other running."""
+    def one(layout: bool) -> Callable[[], tuple[Any, Any]]:
+        def pick() -> tuple[Any, Any]:
+            triton, kernels = build()
+            return triton, kernels[layout]
+
+        return pick
+
+    return {False: LazyKernel(one(False), what, fallback),
+            True: LazyKernel(one(True), f"{what} (channels-last)", f"{fallback} on channels-last activations")}

@@ -7,19 +7,24 @@ the fast approximation, which drifts for the large arguments HiFT's activations 
 1 / (alpha + 1e-9) comes from PyTorch (the caller's `alpha_inv`, made once per weight), so the kernel
 differs from the eager form only by the rounding of one fused multiply-add.
 
-`fused_snake` returns None where the kernel cannot run (no Triton, a non-contiguous input, or a
-kernel that failed to build, which is logged once), and the caller falls back to eager.
+A second kernel takes x channels-last (stored (B, T, C), hift.CHANNELS_LAST) with the same arithmetic
+per element; only its walk over memory differs. `fused_snake` returns None where the kernel cannot run
+(no Triton, any other layout, or a kernel that failed to build, which is logged once), and the caller
+falls back to eager.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from voxbatch.worker.cosyvoice2.lazy_kernel import LazyKernel, on_device
+from voxbatch.worker.cosyvoice2.lazy_kernel import on_device, per_layout
 
 BLOCK_T = 1024  # samples per program along time
 
 
+@functools.cache
 def _build():
     import triton
     import triton.language as tl
@@ -44,24 +49,47 @@ def _build():
         s = sin(x * alpha)
         tl.store(out_ptr + base + t, (x + inv * (s * s)).to(out_ptr.dtype.element_ty), mask=ok)
 
-    return triton, snake_kernel
+    @triton.jit
+    def snake_kernel_channels_last(x_ptr, inv_ptr, alpha_ptr, out_ptr, T, C, BLOCK: tl.constexpr):
+        i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # program (batch, block of its T * C values)
+        ok = i < T * C
+        offs = tl.program_id(0).to(tl.int64) * T * C + i
+        alpha = tl.load(alpha_ptr + i % C, mask=ok, other=1.0).to(tl.float32)  # channel fastest in memory
+        inv = tl.load(inv_ptr + i % C, mask=ok, other=1.0).to(tl.float32)
+        x = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        s = sin(x * alpha)
+        tl.store(out_ptr + offs, (x + inv * (s * s)).to(out_ptr.dtype.element_ty), mask=ok)
+
+    return triton, (snake_kernel, snake_kernel_channels_last)
+
+
+def channels_last(x: torch.Tensor) -> bool | None:
+    """Whether a (B, C, T) tensor is stored channels-last ((B, T, C) in memory, True) or contiguous
+    (False); None for any other layout. A tensor that is both (C or T of 1) counts as contiguous."""
+    if x.dim() != 3:
+        return None
+    if x.is_contiguous():
+        return False
+    return True if x.transpose(1, 2).is_contiguous() else None
 
 
 def fused_snake(x: torch.Tensor, alpha_inv: torch.Tensor) -> torch.Tensor | None:
-    """x (B, C, T) on CUDA, alpha_inv (2, C) fp32 = [alpha, 1 / (alpha + 1e-9)] -> Snake(x), or None
-    (use the eager form)."""
-    if _kernel.failed or not x.is_contiguous() or x.dim() != 3:
+    """x (B, C, T) on CUDA (contiguous or channels-last), alpha_inv (2, C) fp32 = [alpha, 1 / (alpha +
+    1e-9)] -> Snake(x) in x's layout, or None (use the eager form)."""
+    cl = channels_last(x)
+    if cl is None or _kernels[cl].failed:
         return None
 
     def launch(triton, kernel) -> torch.Tensor:
         B, C, T = x.shape
-        out = torch.empty_like(x)
+        out = torch.empty_like(x)  # x's strides (a dense tensor's are kept)
         if x.numel():
+            grid = (B, triton.cdiv(T * C, BLOCK_T)) if cl else (B * C, triton.cdiv(T, BLOCK_T))
             with on_device(x):
-                kernel[(B * C, triton.cdiv(T, BLOCK_T))](x, alpha_inv[1], alpha_inv[0], out, T, C, BLOCK=BLOCK_T)
+                kernel[grid](x, alpha_inv[1], alpha_inv[0], out, T, C, BLOCK=BLOCK_T)
         return out
 
-    return _kernel.run(launch)
+    return _kernels[cl].run(launch)
 
 
-_kernel = LazyKernel(_build, "fused Snake kernel", "HiFT uses the eager Snake")
+_kernels = per_layout(_build, "fused Snake kernel", "HiFT uses the eager Snake")  # by channels_last(x)

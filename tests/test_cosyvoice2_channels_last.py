@@ -1,0 +1,166 @@
+"""HiFT channels-last (`hift.CHANNELS_LAST`): activations and conv weights stored (B, T, C).
+
+The Snake and conv-epilogue kernels take either layout with the same arithmetic per element, so on a
+channels-last input they give, bit for bit, what they give on the same values stored (B, C, T) (the
+epilogue under Triton's interpreter here; both on CUDA in the GPU tests). HiFT's decode with it runs every masked conv and
+Snake on channels-last tensors and stays within the fixture's decode tolerance of the reference (the
+convolutions are other kernels, so the waveform moves by their rounding); on a GPU, batched against
+single stays within the same bound as the default layout's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.triton_interpreter import interpreted, run_interpreted
+from voxbatch.worker.cosyvoice2 import hift as hift_mod
+from voxbatch.worker.cosyvoice2.conv_epilogue import BLOCK_T, conv_epilogue
+from voxbatch.worker.cosyvoice2.hift import HiFTGenerator, to_channels_last
+from voxbatch.worker.cosyvoice2.snake_kernel import channels_last, fused_snake
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+WAV_TOL = 1e-4  # the fixture's decode tolerance (tests/test_cosyvoice2_hift.py)
+SHAPES = [(2, 3, 5), (3, 4, BLOCK_T + 37), (2, 8, 2 * BLOCK_T)]  # one block, across blocks, T * C past blocks
+
+
+def test_under_triton_interpreter() -> None:
+    """The `interpreted` tests below, in a child pytest with TRITON_INTERPRET=1 (no GPU needed)."""
+    run_interpreted(__file__)
+
+
+def test_layouts_are_told_apart() -> None:
+    x = torch.randn(2, 3, 5)
+    assert channels_last(x) is False and channels_last(to_channels_last(x)) is True
+    assert torch.equal(to_channels_last(x), x) and to_channels_last(x).stride() == (15, 1, 3)
+    assert channels_last(x[:, :, ::2]) is None and channels_last(torch.randn(2, 3)) is None
+    assert channels_last(torch.randn(2, 1, 5).transpose(1, 2).contiguous().transpose(1, 2)) is False  # both: contiguous
+
+
+def _inputs(shape: tuple[int, int, int], device: str) -> tuple[torch.Tensor, ...]:
+    B, C, T = shape
+    g = torch.Generator().manual_seed(B * C + T)
+    y, skip = torch.randn(B, C, T, generator=g) * 3, torch.randn(B, C, T, generator=g)
+    bias = torch.randn(C, generator=g)
+    lens = [T, *(int(n) for n in torch.randint(0, T + 1, (B - 1,), generator=g))]
+    mask = (torch.arange(T)[None, :] < torch.tensor(lens)[:, None]).float()[:, None]
+    alpha = torch.rand(C, generator=g) + 0.5
+    alpha_inv = torch.stack([alpha, 1.0 / (alpha + 1e-9)])
+    return tuple(t.to(device) for t in (y, bias, mask, skip, alpha_inv))
+
+
+def _check_kernels(shape: tuple[int, int, int], device: str, snake: bool = True) -> None:
+    """Both kernels on channels-last inputs against the same values stored (B, C, T) (Snake not under
+    the interpreter, which does not resolve the kernel's libdevice sine: on a GPU only)."""
+    y, bias, mask, skip, alpha_inv = _inputs(shape, device)
+    want = (y + bias[None, :, None]) * mask
+    for s, ref in ((None, want), (skip, skip + want)):
+        got = conv_epilogue(to_channels_last(y), bias, mask, None if s is None else to_channels_last(s))
+        assert got is not None and channels_last(got) is True and torch.equal(got, ref)
+    # a skip in another layout than y is not taken (the caller's eager form handles it)
+    assert conv_epilogue(to_channels_last(y), bias, mask, skip) is None
+    if not snake:
+        return
+    plain, last = fused_snake(y, alpha_inv), fused_snake(to_channels_last(y), alpha_inv)
+    assert plain is not None and last is not None and channels_last(last) is True
+    assert torch.equal(last, plain)
+    eager = y + alpha_inv[1][None, :, None] * torch.sin(y * alpha_inv[0][None, :, None]).pow(2)
+    assert float((last - eager).abs().max()) <= 1e-5 * float(eager.abs().max())
+
+
+@interpreted
+@pytest.mark.parametrize("shape", SHAPES)
+def test_kernels_take_channels_last_interpreted(shape) -> None:
+    _check_kernels(shape, "cpu", snake=False)
+
+
+def _decode(model: HiFTGenerator, device: str, monkeypatch, ref: dict, frames: int | None = None) -> tuple[torch.Tensor, list]:
+    """The fixture's mel decoded with CHANNELS_LAST on (opened on `device`), and the layout of each
+    masked conv's input and output and each Snake's input."""
+    layouts: list = []
+    conv, snake = hift_mod.masked_conv, hift_mod.Snake.forward
+
+    def conv_seen(c, x, mask, skip=None):
+        y = conv(c, x, mask, skip)
+        layouts.extend((channels_last(x), channels_last(y)))
+        return y
+
+    def snake_seen(self, x):
+        layouts.append(channels_last(x))
+        return snake(self, x)
+
+    monkeypatch.setattr(hift_mod, "masked_conv", conv_seen)
+    monkeypatch.setattr(hift_mod.Snake, "forward", snake_seen)
+    monkeypatch.setattr(hift_mod, "CHANNELS_LAST", True)
+    monkeypatch.setattr(hift_mod, "_CL_DEVICES", (device,))
+    mel, source = (torch.from_numpy(np.ascontiguousarray(ref[k])).to(device) for k in ("hift_mel", "hift_source"))
+    if frames is not None:  # a short cut, for the interpreter
+        mel, source = mel[:, :, :frames], source[:, :, : frames * model.d.samples_per_frame]
+    with torch.inference_mode():
+        return model.decode(mel, source).cpu(), layouts
+
+
+def test_decode_channels_last_on_cpu(tiny_model_dir: Path, ref: dict, monkeypatch) -> None:
+    """Every masked conv and Snake sees channels-last tensors, and the waveform stays within the
+    fixture's decode tolerance of the reference."""
+    model = HiFTGenerator.from_model_dir(tiny_model_dir, "cpu", torch.float32)
+    wav, layouts = _decode(model, "cpu", monkeypatch, ref)
+    assert layouts and all(layout is True for layout in layouts), layouts
+    assert float((wav - torch.from_numpy(ref["hift_wav"])).abs().max()) <= WAV_TOL
+
+
+@interpreted
+def test_decode_channels_last_interpreted(tiny_model_dir: Path, ref: dict, monkeypatch) -> None:
+    """The same with the Triton kernels (interpreted) doing the epilogues in channels-last: every
+    epilogue ran the kernel, and the waveform is the eager channels-last one's within 1e-5."""
+    model = HiFTGenerator.from_model_dir(tiny_model_dir, "cpu", torch.float32)
+    ran = []
+
+    def counted(*args):
+        out = conv_epilogue(*args)
+        ran.append(out is not None and channels_last(out) is True)
+        return out
+
+    monkeypatch.setattr(hift_mod, "conv_epilogue", counted)
+    fused, layouts = _decode(model, "cpu", monkeypatch, ref, frames=24)
+    assert ran and all(ran) and all(layout is True for layout in layouts)
+    monkeypatch.setattr(hift_mod, "FUSED_CONV_EPILOGUE", False)
+    eager, _ = _decode(model, "cpu", monkeypatch, ref, frames=24)
+    assert float((fused - eager).abs().max()) <= 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [*SHAPES, (64, 128, 40_000)])
+def test_kernels_take_channels_last_on_gpu(shape) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    _check_kernels(shape, "cuda")
+
+
+@pytest.mark.gpu
+@torch.inference_mode()
+def test_decode_channels_last_on_gpu(tiny_model_dir: Path, ref: dict, monkeypatch) -> None:
+    """On CUDA with TF32 off (as the fixture's GPU test): every masked conv and Snake on channels-last
+    tensors, the waveform within the decode tolerance of the reference, and a batch's rows within 1e-4
+    of the same rows alone (the default layout's bound)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+        model = HiFTGenerator.from_model_dir(tiny_model_dir, "cuda", torch.float32)
+        wav, layouts = _decode(model, "cuda", monkeypatch, ref)
+        assert layouts and all(layout is True for layout in layouts), layouts
+        assert float((wav - torch.from_numpy(ref["hift_wav"])).abs().max()) <= WAV_TOL
+        full = torch.from_numpy(np.ascontiguousarray(ref["e2e_flow_mel"])).cuda()
+        lengths = [full.shape[2], full.shape[2] * 2 // 3, full.shape[2] // 3]
+        padded = torch.full((3, full.shape[1], lengths[0]), 3.0, device="cuda")
+        for i, n in enumerate(lengths):
+            padded[i, :, :n] = full[0, :, :n]
+        gens = lambda seeds: [torch.Generator(device="cuda").manual_seed(s) for s in seeds]  # noqa: E731
+        batched, _ = model.inference(padded, lengths, gens((1, 2, 3)))
+        for i, n in enumerate(lengths):
+            one, _ = model.inference(full[:, :, :n], [n], gens((i + 1,)))
+            assert float((batched[i : i + 1, : one.shape[1]] - one).abs().max()) <= 1e-4
