@@ -1,7 +1,7 @@
 """HiFT's fused conv epilogue, (conv(x) + bias) * mask [+ skip] (worker/cosyvoice2/conv_epilogue.py).
 
 The kernel claims the eager form's roundings in its order, so it is checked bit for bit (torch.equal)
-against (y + bias) * mask [+ skip] on the same conv output: under Triton's interpreter (CPU tensors,
+against (y + bias) * mask [+ skip] on the same conv output, stored (B, C, T) and channels-last: under Triton's interpreter (CPU tensors,
 no GPU) and on CUDA. HiFT with the epilogue on and off: bit-identical on CUDA (torch's cuDNN conv adds
 its bias after the conv, as the kernel does); under the interpreter the eager CPU conv (oneDNN) folds
 the bias into the conv and rounds otherwise, so there the waveforms agree within 1e-5. On CPU without
@@ -19,7 +19,8 @@ import torch
 from tests.triton_interpreter import interpreted, run_interpreted
 from voxbatch.worker.cosyvoice2 import hift as hift_mod
 from voxbatch.worker.cosyvoice2.conv_epilogue import BLOCK_T, conv_epilogue
-from voxbatch.worker.cosyvoice2.hift import HiFTGenerator
+from voxbatch.worker.cosyvoice2.hift import HiFTGenerator, to_channels_last
+from voxbatch.worker.cosyvoice2.snake_kernel import channels_last
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -42,13 +43,19 @@ def _inputs(shape: tuple[int, int, int], device: str) -> tuple[torch.Tensor, ...
     return tuple(t.to(device) for t in (y, bias, mask, skip))
 
 
-def _check_kernel(shape: tuple[int, int, int], device: str) -> None:
+def _check_kernel(shape: tuple[int, int, int], device: str, stored_channels_last: bool = False) -> None:
+    """The kernel against the eager form, bit for bit, on y (and the skip) stored (B, C, T) or
+    channels-last (hift.CHANNELS_LAST: the output keeps that layout; a skip in the other layout than
+    y's is declined, for the caller's eager form)."""
     y, bias, mask, skip = _inputs(shape, device)
     want = (y + bias[None, :, None]) * mask
+    layout = (lambda t: to_channels_last(t.clone())) if stored_channels_last else torch.clone  # y is written over
     for s, ref in ((None, want), (skip, skip + want)):
-        got = conv_epilogue(y.clone(), bias, mask, s)
-        assert got is not None and got.shape == y.shape
+        got = conv_epilogue(layout(y), bias, mask, None if s is None else layout(s))
+        assert got is not None and got.shape == y.shape and channels_last(got) is channels_last(layout(y))
         assert torch.equal(got, ref)
+    if channels_last(layout(y)):  # (C or T of 1: the two layouts are one)
+        assert conv_epilogue(layout(y), bias, mask, skip) is None
 
 
 def _decode(model: HiFTGenerator, fused: bool, device: str, monkeypatch, ref: dict) -> torch.Tensor:
@@ -73,8 +80,9 @@ def _decode(model: HiFTGenerator, fused: bool, device: str, monkeypatch, ref: di
 
 @interpreted
 @pytest.mark.parametrize("shape", SHAPES)
-def test_kernel_interpreted(shape) -> None:
-    _check_kernel(shape, "cpu")
+@pytest.mark.parametrize("stored_channels_last", [False, True])
+def test_kernel_interpreted(shape, stored_channels_last) -> None:
+    _check_kernel(shape, "cpu", stored_channels_last)
 
 
 @interpreted
@@ -109,10 +117,11 @@ def test_flag_changes_nothing_on_cpu(tiny_model_dir: Path, ref: dict, monkeypatc
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [*SHAPES, (64, 128, 40_000)])
-def test_kernel_on_gpu(shape) -> None:
+@pytest.mark.parametrize("stored_channels_last", [False, True])
+def test_kernel_on_gpu(shape, stored_channels_last) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    _check_kernel(shape, "cuda")
+    _check_kernel(shape, "cuda", stored_channels_last)
 
 
 @pytest.mark.gpu
