@@ -327,11 +327,6 @@ def _normal_time_major(B: int, T: int, H: int, generator: torch.Generator | None
 # by where the row falls in the batch), the benchmark's A/B (`source=0`).
 BATCHED_SOURCE = True
 _BATCHED_DEVICES = ("cuda",)  # where the batched form runs (a test opens CPU)
-
-
-def batched_source(device: torch.device) -> bool:
-    """Whether the source's sample-rate half runs over the padded batch on `device` (BATCHED_SOURCE)."""
-    return BATCHED_SOURCE and device.type in _BATCHED_DEVICES
 # Per-row CUDA noise drawn straight into the batch's rows (`draw_source_noise`): the same numbers in a
 # third of the launches. Engine on the H200: 318.0x (318.0, 329.7) with it and the one-gather mel
 # (engine.GATHER_TO_HIFT) vs 316.7x (316.7, 331.1) without either, A B B A
@@ -341,6 +336,11 @@ def batched_source(device: torch.device) -> bool:
 # the same mel no longer gave the same audio in another batch, for no measured gain; dropped.
 # Bench switch `draws`.
 IN_PLACE_DRAWS = True
+
+
+def batched_source(device: torch.device) -> bool:
+    """Whether the source's sample-rate half runs over the padded batch on `device` (BATCHED_SOURCE)."""
+    return BATCHED_SOURCE and device.type in _BATCHED_DEVICES
 
 
 class SourceModule(nn.Module):
