@@ -147,7 +147,9 @@ def test_a_render_ab_is_one_row_per_run(tmp_path):
     out = report("--results", str(tmp_path), "--root", str(docs))
     assert out.returncode == 0, out.stderr
     text = (docs / "BENCHMARKS.md").read_text(encoding="utf-8")
-    section = text[text.index("### render"):]
+    start = text.index("### render")
+    end = text.find("\n### ", start + 1)
+    section = text[start:end if end != -1 else len(text)]
     assert "| B: `probe_switch=1` (wall B/A 1.5) |" in section
     assert f"| A | {run['wall_s']} |" in section and f"| A again | {run['wall_s']} |" in section
     assert "`ab." not in section

@@ -40,6 +40,25 @@ def test_layouts_are_told_apart() -> None:
     assert channels_last(torch.randn(2, 1, 5).transpose(1, 2).contiguous().transpose(1, 2)) is False  # both: contiguous
 
 
+@pytest.mark.parametrize("conv", [
+    torch.nn.Conv1d(6, 5, 7, padding=3), torch.nn.Conv1d(6, 5, 3, dilation=5, padding=5), torch.nn.Conv1d(6, 5, 1),
+    torch.nn.Conv1d(6, 5, 30, 15, padding=7), torch.nn.ConvTranspose1d(6, 5, 16, 8, padding=4),
+    torch.nn.ConvTranspose1d(6, 5, 11, 5, padding=3, output_padding=1)], ids=str)
+def test_conv_any_layout_is_the_conv(conv, monkeypatch) -> None:
+    """A channels-last x runs as the same conv (stride, padding, dilation, output padding as the module
+    has them) through the 2-D form, within rounding of the module's own call, and comes out channels-last;
+    the default layout is the module's call bit for bit."""
+    monkeypatch.setattr(hift_mod, "_CL_DEVICES", ("cpu",))
+    x = torch.randn(3, 6, 41, generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        want = conv(x)
+        assert torch.equal(hift_mod.conv1d_any_layout(conv, x, conv.bias), want)
+        monkeypatch.setattr(hift_mod, "CHANNELS_LAST", True)
+        got = hift_mod.conv1d_any_layout(conv, to_channels_last(x), conv.bias)
+    assert got.shape == want.shape and channels_last(got) is True
+    assert float((got - want).abs().max()) <= 1e-5
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(2, 3, 5), (3, 4, 1061), (64, 128, 40_000)])
 def test_snake_takes_channels_last_on_gpu(shape) -> None:
@@ -138,3 +157,33 @@ def test_decode_channels_last_on_gpu(tiny_model_dir: Path, ref: dict, monkeypatc
         for i, n in enumerate(lengths):
             one, _ = model.inference(full[:, :, :n], [n], gens((i + 1,)))
             assert float((batched[i : i + 1, : one.shape[1]] - one).abs().max()) <= 1e-4
+
+
+def _layout_transposes(model: HiFTGenerator, mel: torch.Tensor, source: torch.Tensor) -> int:
+    """cuDNN's NCHW<->NHWC transpose kernels in one decode (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        model.decode(mel, source)
+        torch.cuda.synchronize()
+    return sum(e.count for e in prof.key_averages() if "ToNhwc" in e.key or "ToNchw" in e.key)
+
+
+@pytest.mark.gpu
+def test_channels_last_decode_drops_cudnns_layout_transposes(monkeypatch) -> None:
+    """What the switch is for: with CHANNELS_LAST, cuDNN runs HiFT's convolutions without most of its
+    NCHW<->NHWC transposes (fewer than a third of the default layout's, counted in the profiler), at the
+    default (CosyVoice2-0.5B) dims with random weights, where the default layout has them
+    (bench/results/gpu_h100_worker26_profile.txt)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    torch.manual_seed(0)
+    model = HiFTGenerator(hift_mod.HiftDims()).cuda().eval()
+    mel = torch.randn(4, model.d.in_channels, 200, device="cuda")
+    source = torch.randn(4, 1, 200 * model.d.samples_per_frame, device="cuda") * 0.1
+    counts = {}
+    for on in (False, True):
+        monkeypatch.setattr(hift_mod, "CHANNELS_LAST", on)
+        _layout_transposes(model, mel, source)  # warm: plans and kernels built
+        counts[on] = _layout_transposes(model, mel, source)
+    assert counts[False] > 0 and counts[True] * 3 < counts[False], counts

@@ -110,6 +110,14 @@ def check_engine(engine: Engine, voice: str, params: SynthesisParams) -> None:
         raise RenderError(f"the {engine.name} engine cannot render voice {voice!r}: {error}")
 
 
+def warm_graphs(engine: Engine) -> None:
+    """`Engine.warm_graphs`, a failure of it one line naming the engine (as the probe's)."""
+    try:
+        engine.warm_graphs()
+    except Exception as e:  # noqa: BLE001 - whatever stops the warm-up would stop the first batches
+        raise RenderError(f"the {engine.name} engine cannot warm up: {type(e).__name__}: {e}") from None
+
+
 class _EngineStart:
     """The engine built, proven on the job's voice and fingerprinted in a thread of its own, while the
     main thread reads and segments the corpus: start-up is weights, kernels and hashing the model
@@ -130,7 +138,7 @@ class _EngineStart:
             digest.start()
             check_engine(engine, voice, params)
             if WARM_GRAPHS_AT_START:
-                engine.warm_graphs()
+                warm_graphs(engine)
             digest.join()
             self._engine = engine
         except BaseException as e:  # noqa: BLE001 - handed to the main thread by result()

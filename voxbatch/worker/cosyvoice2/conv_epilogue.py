@@ -47,8 +47,8 @@ def _build():
     @triton.jit
     def epilogue_kernel_channels_last(y_ptr, bias_ptr, mask_ptr, skip_ptr, out_ptr, T, C, SKIP: tl.constexpr,
                                       BLOCK: tl.constexpr):
-        b = tl.program_id(0).to(tl.int64)  # program (batch, block of its T * C values, channel fastest)
-        i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        b = tl.program_id(1).to(tl.int64)  # program (block of a row's T * C values, channel fastest; batch)
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = i < T * C
         offs = b * T * C + i
         bias = tl.load(bias_ptr + i % C, mask=ok, other=0.0)
@@ -84,7 +84,8 @@ def conv_epilogue(y: torch.Tensor, bias: torch.Tensor | None, mask: torch.Tensor
     def launch(triton, kernel) -> torch.Tensor:
         B, C, T = y.shape
         if y.numel():
-            grid = (B, triton.cdiv(T * C, BLOCK_T)) if cl else (B * C, triton.cdiv(T, BLOCK_T))
+            # channels-last: blocks on axis 0 (up to 2^31 - 1; axis 1 stops at 65,535 blocks, ~175 s of audio at C = 64)
+            grid = (triton.cdiv(T * C, BLOCK_T), B) if cl else (B * C, triton.cdiv(T, BLOCK_T))
             with on_device(y):
                 kernel[grid](y, bias, mask, y if skip is None else skip, y, T, C, SKIP=skip is not None, BLOCK=BLOCK_T)
         return y

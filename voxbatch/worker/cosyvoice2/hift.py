@@ -155,6 +155,9 @@ F0_GRAPH_QUANTUM = 32  # frames; the widths a corpus meets (its longest mel / th
 # worker on an H100, tasks of 16, A B A B A: 281.5x / 280.8x with it vs 266.9x / 273.0x / 278.4x without
 # (B/A 1.031, both B runs above every A; bench/results/gpu_h100_phase1.json). Bench switch `phase_graphs`.
 PHASE_IN_ROW_GRAPH = True
+# Memory: each (width, phase) graph keeps its outputs, the phase (1, H, width * 480) fp32 being ~17 KB a
+# frame: for rows up to 15 s (~750 frames, 24 widths) ~160 MB per vocoder thread and GPU, growing with
+# the square of the longest row a worker meets (~0.7 GB at 32 s). Not capped: a worker's widths are few.
 _GRAPH_DEVICES = ("cuda",)  # where rows run as graphs (a CPU test opens CPU with an eager stand-in)
 _f0_graphs_failed = False
 _f0_per_thread = threading.local()  # per (thread, device): capture stream, memory pool, graphs by (width, phase)
@@ -463,8 +466,9 @@ FUSED_CONV_EPILOGUE = True
 
 
 # HiFT's decode with its activations channels-last: each (B, C, T) activation stored (B, T, C) and each
-# convolution's weight likewise (made once per weight), so cuDNN runs its NHWC kernels on them as they
-# are. Stored (B, C, T), cuDNN transposes every convolution's input to NHWC and its output back:
+# convolution run as the same 2-D conv over (B, C, 1, T) with its weight stored channels-last (made once
+# per weight; `conv1d_any_layout`), so cuDNN runs its NHWC kernels on them as they are (GPU test: the
+# transposes counted in the profiler). Stored (B, C, T), cuDNN transposes every convolution's input to NHWC and its output back:
 # 123 ms of a 128-row batch's 513 ms of HiFT device time on an H100 (nchwToNhwc/nhwcToNchw in
 # bench/results/gpu_h100_worker26_profile.txt), besides the epilogue's and Snake's passes. The conv
 # epilogue and Snake kernels take either layout with the same per-element arithmetic; the convolutions
@@ -486,35 +490,49 @@ def _channels_last_here(x: torch.Tensor) -> bool:
     return CHANNELS_LAST and x.device.type in _CL_DEVICES and channels_last(x) is True
 
 
-def conv_weight(conv: nn.Conv1d | nn.ConvTranspose1d, x: torch.Tensor) -> torch.Tensor:
-    """conv's weight in x's layout: stored channels-last (a copy kept per conv, remade if the weight
-    changes) where x is, so cuDNN picks its NHWC kernels without transposing the weight per call."""
+def _weight_2d(w: torch.Tensor) -> torch.Tensor:
+    """A 1-D conv's weight (O, I, k) as the (O, I, 1, k) weight of the same 2-D conv, stored channels-last."""
+    return w.unsqueeze(2).contiguous(memory_format=torch.channels_last)
+
+
+def conv1d_any_layout(conv: nn.Conv1d | nn.ConvTranspose1d, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """conv over x (B, C, T) with `bias` (the conv's own, or None for the epilogue to add). On a
+    channels-last x of a CHANNELS_LAST decode it runs as the same 2-D conv over (B, C, 1, T), with the
+    weight kept channels-last (made once per weight): torch makes a 3-D conv's input contiguous before
+    it reaches cuDNN ("avoid going through NHWC for permuted 3d input"), so a 1-D conv would transpose
+    it back; a 4-D channels-last input runs cuDNN's NHWC kernels as it is, and its output stays so."""
+    transposed = isinstance(conv, nn.ConvTranspose1d)
     if not _channels_last_here(x):
-        return conv.weight
+        if transposed:
+            return F.conv_transpose1d(x, conv.weight, bias, conv.stride, conv.padding, conv.output_padding, conv.groups,
+                                      conv.dilation)
+        return F.conv1d(x, conv.weight, bias, conv.stride, conv.padding, conv.dilation, conv.groups)
     derived = getattr(conv, "_channels_last_weight", None)
     if derived is None:
-        derived = conv._channels_last_weight = DerivedWeight(to_channels_last)
-    return derived(conv.weight)
-
-
-def _in_layout_of(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """A conv's output y stored channels-last where its input x is: a backend may write it (B, C, T)
-    (oneDNN's 1x1 conv does), and one layout through a block lets the epilogue take y with its skip."""
-    return to_channels_last(y) if _channels_last_here(x) and channels_last(y) is False else y
+        derived = conv._channels_last_weight = DerivedWeight(_weight_2d)
+    w, x2 = derived(conv.weight), x.unsqueeze(2)  # (B, C, 1, T), channels-last as x is
+    (s,), (p,), (d,) = conv.stride, conv.padding, conv.dilation
+    if transposed:
+        (op,) = conv.output_padding
+        y = F.conv_transpose2d(x2, w, bias, (1, s), (0, p), (0, op), conv.groups, (1, d))
+    else:
+        y = F.conv2d(x2, w, bias, (1, s), (0, p), (1, d), conv.groups)
+    y = y.squeeze(2)
+    # a backend that wrote it (B, C, T) anyway: one layout through a block, so the epilogue takes y with its skip
+    return to_channels_last(y) if channels_last(y) is False else y
 
 
 def masked_conv(conv: nn.Conv1d, x: torch.Tensor, mask: torch.Tensor, skip: torch.Tensor | None = None) -> torch.Tensor:
     """conv(x) * mask (B, C, T), plus `skip` where given (a residual block's x + ...)."""
     fusable = conv.bias is not None and conv.padding_mode == "zeros" and x.dtype == torch.float32
     if FUSED_CONV_EPILOGUE and fusable and (x.is_cuda or interpreting()):  # a CPU conv folds its bias in: eager there
-        y = _in_layout_of(x, F.conv1d(x, conv_weight(conv, x), None, conv.stride, conv.padding, conv.dilation, conv.groups))
+        y = conv1d_any_layout(conv, x, None)
         out = conv_epilogue(y, conv.bias, mask, skip)
         if out is not None:
             return out
         y = (y + conv.bias[None, :, None]) * mask  # = conv(x) * mask: torch adds a cuDNN conv's bias after the conv
     else:
-        y = (conv(x) if not _channels_last_here(x) else _in_layout_of(
-            x, F.conv1d(x, conv_weight(conv, x), conv.bias, conv.stride, conv.padding, conv.dilation, conv.groups))) * mask
+        y = (conv1d_any_layout(conv, x, conv.bias) if _channels_last_here(x) and conv.padding_mode == "zeros" else conv(x)) * mask
     return y if skip is None else skip + y
 
 
@@ -661,11 +679,12 @@ class HiFTGenerator(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """F0 (B, T_mel) of each row from its width's graph, and with `phase0` (B, H) its harmonic phase
         (B, H, T_wav of the longest row), zero past each row; None where a capture failed (graphs off)."""
+        mel = mel.to(self.f0_predictor.classifier.weight.dtype)  # fp32 as load_hift leaves it, as f0() runs it
         B, _, T_mel = mel.shape
         up = self.d.samples_per_frame
         with torch.inference_mode():  # the graphs' buffers are inference tensors, written in place
             f0 = mel.new_zeros(B, T_mel)
-            phase = None if phase0 is None else mel.new_zeros(B, phase0.shape[1], max(host, default=0) * up)
+            phase = None if phase0 is None else torch.zeros(B, phase0.shape[1], max(host, default=0) * up, device=mel.device)
             for b, n in enumerate(host):
                 if not n:
                     continue
@@ -707,9 +726,7 @@ class HiFTGenerator(nn.Module):
         lengths = mel_lengths
         n_up, n_k = len(self.ups), len(d.resblock_kernel_sizes)
         for i, up in enumerate(self.ups):
-            x = F.leaky_relu(x, d.lrelu_slope)
-            x = F.conv_transpose1d(x, conv_weight(up, x), up.bias, up.stride, up.padding, up.output_padding, up.groups,
-                                   up.dilation)  # (B, C / 2^(i+1), T * rate)
+            x = conv1d_any_layout(up, F.leaky_relu(x, d.lrelu_slope), up.bias)  # (B, C / 2^(i+1), T * rate)
             lengths = lengths * d.upsample_rates[i]
             if i == n_up - 1:
                 x = layout(F.pad(x, (1, 0), mode="reflect"))  # one more frame to match the STFT frame count
@@ -719,8 +736,7 @@ class HiFTGenerator(nn.Module):
             si = masked_conv(self.source_downs[i], s_spec, mask)
             x = x + self.source_resblocks[i](si, mask)
             x = sum(self.resblocks[i * n_k + j](x, mask) for j in range(n_k)) / n_k
-        x = F.leaky_relu(x)  # default slope 0.01 here, as the official code
-        x = F.conv1d(x, conv_weight(self.conv_post, x), self.conv_post.bias, padding=self.conv_post.padding)
+        x = conv1d_any_layout(self.conv_post, F.leaky_relu(x), self.conv_post.bias)  # default slope 0.01 here, as the official code
         half = d.n_fft // 2 + 1
         magnitude = torch.exp(x[:, :half].float())
         phase = torch.sin(x[:, half:].float())  # (B, n_fft/2 + 1, T_spec) each

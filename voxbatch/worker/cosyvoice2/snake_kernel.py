@@ -51,9 +51,9 @@ def _build():
 
     @triton.jit
     def snake_kernel_channels_last(x_ptr, inv_ptr, alpha_ptr, out_ptr, T, C, BLOCK: tl.constexpr):
-        i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # program (batch, block of its T * C values)
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # program (block of a row's T * C values, batch)
         ok = i < T * C
-        offs = tl.program_id(0).to(tl.int64) * T * C + i
+        offs = tl.program_id(1).to(tl.int64) * T * C + i
         alpha = tl.load(alpha_ptr + i % C, mask=ok, other=1.0).to(tl.float32)  # channel fastest in memory
         inv = tl.load(inv_ptr + i % C, mask=ok, other=1.0).to(tl.float32)
         x = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
@@ -84,7 +84,8 @@ def fused_snake(x: torch.Tensor, alpha_inv: torch.Tensor) -> torch.Tensor | None
         B, C, T = x.shape
         out = torch.empty_like(x)  # x's strides (a dense tensor's are kept)
         if x.numel():
-            grid = (B, triton.cdiv(T * C, BLOCK_T)) if cl else (B * C, triton.cdiv(T, BLOCK_T))
+            # channels-last: blocks on axis 0 (up to 2^31 - 1; axis 1 stops at 65,535 blocks, ~175 s of audio at C = 64)
+            grid = (triton.cdiv(T * C, BLOCK_T), B) if cl else (B * C, triton.cdiv(T, BLOCK_T))
             with on_device(x):
                 kernel[grid](x, alpha_inv[1], alpha_inv[0], out, T, C, BLOCK=BLOCK_T)
         return out
