@@ -468,3 +468,24 @@ def test_phase_in_row_graphs_gives_the_eager_source_bit_for_bit_on_gpu(monkeypat
         assert torch.equal(alone[0, :, : n * spf], src_graph[i, :, : n * spf])
     slot = getattr(hift_mod._f0_per_thread, str(mel.device))
     assert {(-(-n // hift_mod.F0_GRAPH_QUANTUM) * hift_mod.F0_GRAPH_QUANTUM, True) for n in lengths} <= set(slot["graphs"])
+
+
+def test_row_graphs_are_kept_within_a_byte_budget():
+    """The row graphs a vocoder thread keeps (hift._LruGraphs): at most the budget in bytes of their
+    buffers, the least recently used dropped first (a hit counts as a use), the newest kept whatever
+    its size, a graph put again under its key replacing the old one's bytes."""
+    from types import SimpleNamespace
+
+    from voxbatch.worker.cosyvoice2 import hift as hift_mod
+
+    graphs = hift_mod._LruGraphs(budget=100)
+    for width, size in ((32, 40), (64, 40)):
+        graphs.put((width, True), SimpleNamespace(nbytes=size))
+    assert graphs.get((32, True)).nbytes == 40  # 32 is now the most recent
+    graphs.put((96, True), SimpleNamespace(nbytes=40))  # 120 > 100: 64, the least recent, goes
+    assert list(graphs) == [(32, True), (96, True)] and graphs.nbytes == 80
+    graphs.put((96, True), SimpleNamespace(nbytes=50))  # replaced: its old bytes no longer count
+    assert graphs.nbytes == 90 and list(graphs) == [(32, True), (96, True)]
+    graphs.put((800, True), SimpleNamespace(nbytes=300))  # over the budget alone: kept, the rest dropped
+    assert list(graphs) == [(800, True)] and graphs.nbytes == 300
+    assert graphs.get((32, True)) is None

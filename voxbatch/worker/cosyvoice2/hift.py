@@ -28,6 +28,7 @@ import logging
 import math
 import threading
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -156,8 +157,11 @@ F0_GRAPH_QUANTUM = 32  # frames; the widths a corpus meets (its longest mel / th
 # (B/A 1.031, both B runs above every A; bench/results/gpu_h100_phase1.json). Bench switch `phase_graphs`.
 PHASE_IN_ROW_GRAPH = True
 # Memory: each (width, phase) graph keeps its outputs, the phase (1, H, width * 480) fp32 being ~17 KB a
-# frame: for rows up to 15 s (~750 frames, 24 widths) ~160 MB per vocoder thread and GPU, growing with
-# the square of the longest row a worker meets (~0.7 GB at 32 s). Not capped: a worker's widths are few.
+# frame: for rows up to 15 s (~750 frames, 24 widths) ~160 MB per vocoder thread and GPU, but growing
+# with the square of the longest row (~2.4 GB for rows up to 60 s). So a thread keeps at most
+# ROW_GRAPH_BUDGET_BYTES of graph outputs, the least recently used graphs dropped first (their memory
+# stays in the thread's graph pool, reused by the next captures).
+ROW_GRAPH_BUDGET_BYTES = 512 << 20
 _GRAPH_DEVICES = ("cuda",)  # where rows run as graphs (a CPU test opens CPU with an eager stand-in)
 _f0_graphs_failed = False
 _f0_per_thread = threading.local()  # per (thread, device): capture stream, memory pool, graphs by (width, phase)
@@ -185,6 +189,32 @@ class F0Predictor(nn.Module):
         return f0 * mask[:, 0]
 
 
+class _LruGraphs:
+    """Row graphs by key, at most `budget` bytes of their outputs (`nbytes`), the least recently used
+    dropped first; the newest is kept whatever its size."""
+
+    def __init__(self, budget: int):
+        self.budget, self.nbytes = budget, 0
+        self._graphs: OrderedDict[tuple[int, bool], Any] = OrderedDict()
+
+    def get(self, key: tuple[int, bool]) -> Any:
+        g = self._graphs.get(key)
+        if g is not None:
+            self._graphs.move_to_end(key)
+        return g
+
+    def put(self, key: tuple[int, bool], graph: Any) -> None:
+        old = self._graphs.pop(key, None)
+        self.nbytes += graph.nbytes - (old.nbytes if old is not None else 0)
+        self._graphs[key] = graph
+        while self.nbytes > self.budget and len(self._graphs) > 1:
+            _, dropped = self._graphs.popitem(last=False)
+            self.nbytes -= dropped.nbytes
+
+    def __iter__(self):
+        return iter(list(self._graphs))  # oldest first
+
+
 class _RowGraph:
     """One row of `width` frames through HiFT's F0 predictor (and, `with_phase`, the source's harmonic
     phase) as a CUDA graph over buffers of its own: the row's mel goes into `mel` (zeros past its
@@ -209,6 +239,11 @@ class _RowGraph:
     def _outputs(self, hift: HiFTGenerator) -> None:
         self.f0, self.phase = self._run(hift)
 
+    @property
+    def nbytes(self) -> int:
+        """What the graph keeps beyond the pool's shared intermediates: its inputs and outputs."""
+        return sum(t.nbytes for t in (self.mel, self.phase0, self.f0, self.phase) if t is not None)
+
     def _replay(self) -> None:
         self.graph.replay()
 
@@ -219,7 +254,8 @@ class _RowGraph:
         global _f0_graphs_failed
         slot = getattr(_f0_per_thread, str(mel.device), None)
         if slot is None:
-            slot = {"stream": torch.cuda.Stream(mel.device), "pool": torch.cuda.graph_pool_handle(), "graphs": {}}
+            slot = {"stream": torch.cuda.Stream(mel.device), "pool": torch.cuda.graph_pool_handle(),
+                    "graphs": _LruGraphs(ROW_GRAPH_BUDGET_BYTES)}
             setattr(_f0_per_thread, str(mel.device), slot)
         g = slot["graphs"].get((width, with_phase))
         if g is not None and g.hift() is hift:
@@ -233,7 +269,7 @@ class _RowGraph:
             log.warning("F0 CUDA graph unavailable (%s: %s); F0 runs eagerly", type(e).__name__, e)
             _f0_graphs_failed = True
             return None
-        slot["graphs"][(width, with_phase)] = g
+        slot["graphs"].put((width, with_phase), g)
         return g
 
     def __call__(self, row: torch.Tensor, phase0: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
