@@ -20,7 +20,7 @@ from tests.triton_interpreter import interpreted, run_interpreted
 from voxbatch.worker.cosyvoice2 import hift as hift_mod
 from voxbatch.worker.cosyvoice2.conv_epilogue import BLOCK_T, conv_epilogue
 from voxbatch.worker.cosyvoice2.hift import HiFTGenerator, to_channels_last
-from voxbatch.worker.cosyvoice2.snake_kernel import channels_last
+from voxbatch.worker.cosyvoice2.lazy_kernel import channels_last
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -20,8 +20,7 @@ import functools
 
 import torch
 
-from voxbatch.worker.cosyvoice2.lazy_kernel import interpreting, on_device, per_layout
-from voxbatch.worker.cosyvoice2.snake_kernel import channels_last
+from voxbatch.worker.cosyvoice2.lazy_kernel import channels_last, interpreting, layout_grid, on_device, per_layout
 
 BLOCK_T = 1024  # samples per program along time
 
@@ -82,12 +81,11 @@ def conv_epilogue(y: torch.Tensor, bias: torch.Tensor | None, mask: torch.Tensor
         return None
 
     def launch(triton, kernel) -> torch.Tensor:
-        B, C, T = y.shape
+        _, C, T = y.shape
         if y.numel():
-            # channels-last: blocks on axis 0 (up to 2^31 - 1; axis 1 stops at 65,535 blocks, ~175 s of audio at C = 64)
-            grid = (triton.cdiv(T * C, BLOCK_T), B) if cl else (B * C, triton.cdiv(T, BLOCK_T))
             with on_device(y):
-                kernel[grid](y, bias, mask, y if skip is None else skip, y, T, C, SKIP=skip is not None, BLOCK=BLOCK_T)
+                kernel[layout_grid(triton, y.shape, cl, BLOCK_T)](
+                    y, bias, mask, y if skip is None else skip, y, T, C, SKIP=skip is not None, BLOCK=BLOCK_T)
         return y
 
     return _kernels[cl].run(launch)

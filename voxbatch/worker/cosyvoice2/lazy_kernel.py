@@ -57,7 +57,7 @@ class LazyKernel:
 
 
 def per_layout(build: Callable[[], tuple[Any, tuple[Any, Any]]], what: str, fallback: str) -> dict[bool, LazyKernel]:
-    """A LazyKernel per layout of HiFT's (B, C, T) activations, keyed by `snake_kernel.channels_last`
+    """A LazyKernel per layout of HiFT's (B, C, T) activations, keyed by `channels_last`
     (False: stored (B, C, T), True: stored (B, T, C)), over one `build()` -> (triton, (kernel,
     channels-last kernel)): a channels-last kernel that fails on some GPU leaves the other running."""
     def one(layout: bool) -> Callable[[], tuple[Any, Any]]:
@@ -69,3 +69,21 @@ def per_layout(build: Callable[[], tuple[Any, tuple[Any, Any]]], what: str, fall
 
     return {False: LazyKernel(one(False), what, fallback),
             True: LazyKernel(one(True), f"{what} (channels-last)", f"{fallback} on channels-last activations")}
+
+
+def channels_last(x: torch.Tensor) -> bool | None:
+    """Whether a (B, C, T) tensor is stored channels-last ((B, T, C) in memory, True) or contiguous
+    (False); None for any other layout. A tensor that is both (C or T of 1) counts as contiguous."""
+    if x.dim() != 3:
+        return None
+    if x.is_contiguous():
+        return False
+    return True if x.transpose(1, 2).is_contiguous() else None
+
+
+def layout_grid(triton: Any, shape: torch.Size, stored_channels_last: bool, block: int) -> tuple[int, int]:
+    """The launch grid of HiFT's elementwise kernels over x (B, C, T): (B * C rows, blocks of T) stored
+    (B, C, T); (blocks of a row's T * C values, B) channels-last, blocks on axis 0 (up to 2^31 - 1: axis 1
+    stops at 65,535 blocks, ~175 s of audio at C = 64)."""
+    B, C, T = shape
+    return (triton.cdiv(T * C, block), B) if stored_channels_last else (B * C, triton.cdiv(T, block))

@@ -19,7 +19,7 @@ import functools
 
 import torch
 
-from voxbatch.worker.cosyvoice2.lazy_kernel import on_device, per_layout
+from voxbatch.worker.cosyvoice2.lazy_kernel import channels_last, layout_grid, on_device, per_layout
 
 BLOCK_T = 1024  # samples per program along time
 
@@ -63,16 +63,6 @@ def _build():
     return triton, (snake_kernel, snake_kernel_channels_last)
 
 
-def channels_last(x: torch.Tensor) -> bool | None:
-    """Whether a (B, C, T) tensor is stored channels-last ((B, T, C) in memory, True) or contiguous
-    (False); None for any other layout. A tensor that is both (C or T of 1) counts as contiguous."""
-    if x.dim() != 3:
-        return None
-    if x.is_contiguous():
-        return False
-    return True if x.transpose(1, 2).is_contiguous() else None
-
-
 def fused_snake(x: torch.Tensor, alpha_inv: torch.Tensor) -> torch.Tensor | None:
     """x (B, C, T) on CUDA (contiguous or channels-last), alpha_inv (2, C) fp32 = [alpha, 1 / (alpha +
     1e-9)] -> Snake(x) in x's layout, or None (use the eager form)."""
@@ -81,13 +71,11 @@ def fused_snake(x: torch.Tensor, alpha_inv: torch.Tensor) -> torch.Tensor | None
         return None
 
     def launch(triton, kernel) -> torch.Tensor:
-        B, C, T = x.shape
+        _, C, T = x.shape
         out = torch.empty_like(x)  # x's strides (a dense tensor's are kept)
         if x.numel():
-            # channels-last: blocks on axis 0 (up to 2^31 - 1; axis 1 stops at 65,535 blocks, ~175 s of audio at C = 64)
-            grid = (triton.cdiv(T * C, BLOCK_T), B) if cl else (B * C, triton.cdiv(T, BLOCK_T))
             with on_device(x):
-                kernel[grid](x, alpha_inv[1], alpha_inv[0], out, T, C, BLOCK=BLOCK_T)
+                kernel[layout_grid(triton, x.shape, cl, BLOCK_T)](x, alpha_inv[1], alpha_inv[0], out, T, C, BLOCK=BLOCK_T)
         return out
 
     return _kernels[cl].run(launch)
