@@ -25,10 +25,11 @@ chmod +x "$kit/bin/redis.sh"
 # torch 2.11 / CUDA 13; only its FA3 op library travels (153 MB, ~8 MB xz-packed), laid out as vLLM's
 # package folder, where flash_varlen.fa3_library looks. run.sh unpacks it where no vLLM is installed.
 if [ ! -f "$kit/fa3.tar.xz" ]; then
-  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 -d "$kit/cache" vllm==0.26.0
+  # The 290 MB wheel is fetched outside the kit (the kit travels whole in a 64 MiB call) and dropped.
   fa3tmp=$(mktemp -d)
-  unzip -q "$kit"/cache/vllm-0.26.0-*.whl 'vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so' -d "$fa3tmp"
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 -d "$fa3tmp/wheel" vllm==0.26.0
+  unzip -q "$fa3tmp"/wheel/vllm-0.26.0-*.whl 'vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so' -d "$fa3tmp"
   tar cf - -C "$fa3tmp" vllm | xz -9 -T4 > "$kit/fa3.tar.xz"
   rm -rf "$fa3tmp"
 fi
