@@ -6,9 +6,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 kit=.gpu
+# The sources travel without bench/results (6-7 MB the run never reads; the working tree beside the kit
+# carries them once already and the call holds 64 MiB in all).
 # --src: only this checkout's sources and their commit stamp (the rest of the kit already built).
 if [ "${1:-}" = "--src" ]; then
-  rm -rf "$kit/src" && mkdir -p "$kit/src" && git archive HEAD | tar -x -C "$kit/src"
+  rm -rf "$kit/src" && mkdir -p "$kit/src" && git archive HEAD | tar -x -C "$kit/src" --exclude=bench/results
   git rev-parse HEAD > "$kit/src/bench/COMMIT"
   exit 0
 fi
@@ -34,7 +36,7 @@ if [ ! -f "$kit/fa3.tar.xz" ]; then
   rm -rf "$fa3tmp"
 fi
 cp bench/h200/run.sh "$kit/run.sh"
-rm -rf "$kit/src" && mkdir -p "$kit/src" && git archive HEAD | tar -x -C "$kit/src"
+rm -rf "$kit/src" && mkdir -p "$kit/src" && git archive HEAD | tar -x -C "$kit/src" --exclude=bench/results
 git rev-parse HEAD > "$kit/src/bench/COMMIT"  # the commit measured (the copy has no .git)
 # The fixture's small files the benchmark's official folder borrows (yaml, tokenizer, voice front-end ONNX),
 # and what the HiFT and LLM GPU tests read (weights, references, prompts; ~9 MB): GPU_TESTS= of
