@@ -56,6 +56,7 @@ SWITCHES = {
     "split": ("voxbatch.worker.cosyvoice2.streaming", "TAIL_SPLIT", _flag),
     "ahead": ("voxbatch.worker.cosyvoice2.streaming", "VOCODER_LOOKAHEAD", _flag),
     "gelu": ("voxbatch.worker.cosyvoice2.flow_estimator", "GELU_EPILOGUE", _flag),
+    "resid": ("voxbatch.worker.cosyvoice2.flow_estimator", "DEFERRED_BIAS", _flag),
     "source": ("voxbatch.worker.cosyvoice2.hift", "BATCHED_SOURCE", _flag),
     "draws": ("voxbatch.worker.cosyvoice2.hift", "IN_PLACE_DRAWS", _flag),
     "gather": ("voxbatch.worker.cosyvoice2.engine", "GATHER_TO_HIFT", _flag),

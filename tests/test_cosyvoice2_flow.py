@@ -891,3 +891,82 @@ def test_gelu_epilogue_matches_eager_on_gpu(gpu_estimators, monkeypatch) -> None
     for i, n in enumerate(VARLEN_LENS):
         alone = _estimate(est16, _alone(inputs, i, n), True, monkeypatch)[0]
         assert float((fused[i, :, :n] - alone).abs().max()) <= ALONE_TOL * scale, n
+
+
+# -- The transformer stream with deferred biases (flow_estimator.DEFERRED_BIAS) --------------------
+
+
+def test_deferred_bias_matches_eager_on_cpu(flow: CausalFlow, monkeypatch) -> None:
+    """With the biases deferred (the stream accumulated in place, biases added once per stack, its
+    output masked and the mask multiplies after it skipped), the estimator's valid frames equal the
+    eager form's within TIGHT_TOL on CPU fp32, and every transformer block took the deferred path."""
+    calls = []
+    real = flow_estimator.TransformerBlock.accumulate
+
+    def counted(self, *args):
+        calls.append(1)
+        return real(self, *args)
+
+    eager, deferred, valid = _flag_on_cpu(flow, monkeypatch, "DEFERRED_BIAS", [
+        (flow_estimator.TransformerBlock, "accumulate", counted),
+    ])  # fmt: skip
+    n_blocks = sum(isinstance(m, flow_estimator.TransformerBlock) for m in flow.decoder.estimator.modules())
+    assert len(calls) == n_blocks > 0
+    assert float((deferred - eager)[valid].abs().max()) <= TIGHT_TOL
+
+
+def test_deferred_bias_stack_output_is_masked_and_whole() -> None:
+    """One stack on its own: the output is the eager blocks' output times the mask (within TIGHT_TOL of
+    its scale),
+    its padding frames exactly zero, whatever the biases; the shifts are the running sums of them."""
+    torch.manual_seed(0)
+    stack = flow_estimator.TransformerStack([flow_estimator.TransformerBlock(32, 2, 16) for _ in range(3)]).eval()
+    for p in stack.parameters():  # biases far from zero, so a lost or doubled one shows
+        p.data.normal_(0, 0.5)
+    lens = torch.tensor([9, 5])
+    T = 11
+    h = torch.randn(2, T, 32)
+    m = (torch.arange(T)[None, :] < lens[:, None]).float()[:, :, None]  # (B, T, 1)
+    mask = flow_estimator.AttentionMask(flow_estimator.attention_mask(lens, T, 0, -1), None)
+    with torch.inference_mode():
+        want = h.clone()
+        for block in stack:
+            want = block(want, mask)
+        flow_estimator.DEFERRED_BIAS = True
+        try:
+            got, masked = stack(h.clone(), mask, m)
+        finally:
+            flow_estimator.DEFERRED_BIAS = False
+        plain, plain_masked = stack(h.clone(), mask, m)
+    assert masked and not plain_masked and torch.equal(plain, want)
+    scale = max(1.0, float(want.abs().max()))  # outputs reach ~40 with these weights: fp32 rounding relative to that
+    assert float((got - want * m).abs().max()) <= TIGHT_TOL * scale
+    assert torch.equal(got * (1 - m), torch.zeros_like(got))
+    shifts = stack._shifts(*(b for block in stack for b in block.biases()))
+    assert shifts.shape == (2 * len(stack) + 1, 32) and torch.equal(shifts[0], torch.zeros(32))
+    torch.testing.assert_close(shifts[-1], sum(b for block in stack for b in block.biases()), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.gpu
+def test_deferred_bias_matches_eager_on_gpu(gpu_estimators, monkeypatch) -> None:
+    """fp16 on the GPU (the fused LayerNorm adding the shifts, FlashAttention): with the biases deferred
+    the estimator is as close to the fp32 estimator as the eager fp16 one: max abs error <= 2x eager's
+    + 1e-3 of the output's scale, mean <= 1.5x eager's + 1e-4 of it; rows stay independent of the
+    batch within ALONE_TOL."""
+    est32, est16 = gpu_estimators
+    inputs = _estimator_inputs(VARLEN_LENS, seed=3)
+    valid = inputs[1].bool().expand(-1, 80, -1).cuda()
+    monkeypatch.setattr(flow_estimator, "DEFERRED_BIAS", False)
+    ref = _estimate(est32, inputs, False, monkeypatch)[valid]
+    eager = _estimate(est16, inputs, True, monkeypatch)
+    monkeypatch.setattr(flow_estimator, "DEFERRED_BIAS", True)
+    deferred = _estimate(est16, inputs, True, monkeypatch)
+    assert torch.isfinite(deferred).all()
+    scale = float(ref.abs().max())
+    err_eager, err_deferred = (eager[valid] - ref).abs(), (deferred[valid] - ref).abs()
+    facts = f"scale {scale:.3g}; max err eager {float(err_eager.max()):.3g}, deferred {float(err_deferred.max()):.3g}; mean err eager {float(err_eager.mean()):.3g}, deferred {float(err_deferred.mean()):.3g}"
+    assert float(err_deferred.max()) <= 2 * float(err_eager.max()) + 1e-3 * scale, facts
+    assert float(err_deferred.mean()) <= 1.5 * float(err_eager.mean()) + 1e-4 * scale, facts
+    for i, n in enumerate(VARLEN_LENS):
+        alone = _estimate(est16, _alone(inputs, i, n), True, monkeypatch)[0]
+        assert float((deferred[i, :, :n] - alone).abs().max()) <= ALONE_TOL * scale, n

@@ -38,8 +38,9 @@ def _build():
     import triton.language as tl
 
     @triton.jit
-    def layer_norm_kernel(x_ptr, w_ptr, b_ptr, mask_ptr, out_ptr, N, C, eps,
-                          BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, MISH: tl.constexpr):  # fmt: skip
+    def layer_norm_kernel(x_ptr, shift_ptr, w_ptr, b_ptr, mask_ptr, out_ptr, N, C, eps,
+                          BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, MISH: tl.constexpr,
+                          SHIFT: tl.constexpr):  # fmt: skip
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
         cols = tl.arange(0, BLOCK_C)  # (BLOCK_C,)
         row_ok = rows < N
@@ -47,6 +48,9 @@ def _build():
         ok = row_ok[:, None] & col_ok[None, :]  # (BLOCK_M, BLOCK_C)
         offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
         x = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        if SHIFT:  # x + shift rounded to x's dtype, as the eager sum is, then normalised in fp32
+            shift = tl.load(shift_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)  # (BLOCK_C,)
+            x = (x + shift[None, :]).to(x_ptr.dtype.element_ty).to(tl.float32)  # summed in fp32, rounded once
         # Correctly rounded divisions: Triton's default `/` is approximate (2 ulp), and a constant row's
         # mean off by an ulp becomes ~6e-5 after 1/sqrt(eps) (seen on the H200 at C = 80, 192).
         mean = tl.div_rn(tl.sum(x, axis=1), C * 1.0)  # (BLOCK_M,)
@@ -65,7 +69,8 @@ def _build():
     return triton, layer_norm_kernel
 
 
-def _supported(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, mask: torch.Tensor | None) -> bool:
+def _supported(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, mask: torch.Tensor | None,
+               shift: torch.Tensor | None = None) -> bool:
     C = x.shape[-1] if x.dim() else 0
     return (
         (x.is_cuda or interpreting())
@@ -75,17 +80,20 @@ def _supported(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor 
         and weight is not None and weight.shape == (C,) and weight.is_contiguous()
         and bias is not None and bias.shape == (C,) and bias.is_contiguous()
         and (mask is None or (mask.shape == (*x.shape[:-1], 1) and mask.is_contiguous()))
+        and (shift is None or (shift.shape == (C,) and shift.dtype == x.dtype and shift.is_contiguous()))
         and not torch.is_autocast_enabled(x.device.type)  # eager LayerNorm returns fp32 there
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or bias.requires_grad))
     )  # fmt: skip
 
 
 def fused_layer_norm(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, mask: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, mask: torch.Tensor | None = None,
+    shift: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """x (..., C) -> F.layer_norm(x, (C,), weight, bias, eps) in x's dtype; with mask (..., 1),
-    F.mish(that) * mask. None: use the eager form."""
-    if _kernel.failed or not _supported(x, weight, bias, mask):
+    F.mish(that) * mask; with shift (C,) in x's dtype, the LayerNorm of x + shift (the residual
+    stream's biases not yet added, flow_estimator.DEFERRED_BIAS). None: use the eager form."""
+    if _kernel.failed or not _supported(x, weight, bias, mask, shift):
         return None
 
     def launch(triton, kernel) -> torch.Tensor:
@@ -97,8 +105,9 @@ def fused_layer_norm(
         if N:
             with on_device(x):
                 kernel[(triton.cdiv(N, block_m),)](
-                    x, weight, bias, x if mask is None else mask, out, N, C, float(eps),
-                    BLOCK_M=block_m, BLOCK_C=block_c, MISH=mask is not None, num_warps=max(4, block_m * block_c // 1024),
+                    x, x if shift is None else shift, weight, bias, x if mask is None else mask, out, N, C, float(eps),
+                    BLOCK_M=block_m, BLOCK_C=block_c, MISH=mask is not None, SHIFT=shift is not None,
+                    num_warps=max(4, block_m * block_c // 1024),
                 )  # fmt: skip
         return out
 
