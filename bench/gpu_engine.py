@@ -793,11 +793,12 @@ class Bench:
         """The shipped engine's three parts, each alone over the whole corpus: the LLM backend's
         continuous decode at the run's rows, then flow and HiFT over length-sorted batches of the
         run's flow batch (`CosyVoice2Engine.mels` / `.waves`, what the scheduler's vocoder thread
-        calls). Their sum against the end-to-end wall shows how much runs overlapped. The same run
-        A/Bs the fused Snake (a class switch, restored after). (The time-major flow estimator measured
-        1.15x the channel-major one in bench/results/h200_probe2.json and replaced it.)"""
+        calls). Their sum against the end-to-end wall shows how much runs overlapped. `--parts-ab SPEC
+        ...` (bench switches, bench/switches.py) times flow and HiFT again with each spec's switches set,
+        interleaved with the shipped form (A B1 .. Bk, twice; the faster of each counts): the device
+        time of a kernel change without the scheduler's run-to-run spread. (The time-major flow
+        estimator measured 1.15x the channel-major one in bench/results/h200_probe2.json and replaced it.)"""
         from voxbatch.models import SynthesisParams
-        from voxbatch.worker.cosyvoice2.hift import Snake
         from voxbatch.worker.engine import SynthesisRequest
 
         spec = self.args.worker_run
@@ -815,10 +816,10 @@ class Bench:
             fb = engine.flow_batch
             by_len = sorted(items, key=lambda it: len(it.tokens))
             batches = [by_len[i : i + fb] for i in range(0, len(by_len), fb)]
-            variants = {"shipped (fused Snake)": True, "eager Snake": False}
-            def measure(fused: bool) -> tuple[float, float, float]:
-                Snake.fused = fused
-                try:
+            variants = {"shipped": {}} | {spec: parse_run(spec, switches=True) for spec in self.args.parts_ab}
+
+            def measure(run: dict[str, str]) -> tuple[float, float, float]:
+                with switched(run):
                     flow_s = hift_s = audio = 0.0
                     for b in batches:
                         sync()
@@ -831,17 +832,14 @@ class Bench:
                         flow_s, hift_s = flow_s + t1 - t0, hift_s + t2 - t1
                         audio += sum(len(w) for w in wavs) / engine.sample_rate
                     return flow_s, hift_s, audio
-                finally:
-                    Snake.fused = True
 
-            for fused in variants.values():  # warm every variant's kernels and allocations first
-                Snake.fused = fused
-                engine.vocode(batches[len(batches) // 2])
-            Snake.fused = True
+            for run in variants.values():  # warm every variant's kernels and allocations first
+                with switched(run):
+                    engine.vocode(batches[len(batches) // 2])
             runs: dict[str, list[tuple[float, float, float]]] = defaultdict(list)
             for _ in range(2):  # interleaved A/B/C, twice; the faster of the two counts
-                for name, fused in variants.items():
-                    runs[name].append(measure(fused))
+                for name, run in variants.items():
+                    runs[name].append(measure(run))
             rows = {}
             for name, reps in runs.items():
                 flow_s, hift_s = min(r[0] for r in reps), min(r[1] for r in reps)
@@ -1459,6 +1457,8 @@ def main() -> None:
                          % ", ".join(SWITCHES))
     ap.add_argument("--worker-ab-rounds", type=int, default=1,
                     help="worker A/B: A (B1 .. Bk A) this many times; B/A over the means of all A and B runs")
+    ap.add_argument("--parts-ab", nargs="+", default=[], metavar="SPEC",
+                    help="parts stage: flow and HiFT timed again with each SPEC's bench switches (e.g. resid=1), interleaved with the shipped form")
     ap.add_argument("--render-ab", nargs="+", default=[], metavar="SPEC",
                     help="render stage: bench switches (bench/switches.py) to run as B in A B.. A")
     ap.add_argument("--worker-timeout-s", type=float, default=300.0)
@@ -1496,7 +1496,7 @@ def main() -> None:
     if unknown:
         ap.error(f"unknown stage(s) {', '.join(unknown)}; stages are {', '.join(STAGES)}")
     try:  # every spec checked before any stage runs; a bad one is a usage error (exit 2)
-        for spec in args.engine_runs + args.worker_ab:
+        for spec in args.engine_runs + args.worker_ab + args.parts_ab:
             parse_run(spec, switches=True)
         for spec in (args.worker_run, args.invariance_run):
             parse_run(spec)

@@ -21,7 +21,8 @@ REPO = Path(__file__).resolve().parents[1]
 SMALL = ["--tiny", "--device", "cpu", "--segments", "4", "--max-s", "3", "--llm-batches", "1", "2", "--llm-tokens", "4",
          "--baseline-segments", "1",
          "--worker-run", "rows=4,flow=2,task=2", "--worker-task-sizes", "4", "2", "--engine-runs", "rows=4,flow=2,task=2",
-         "--invariance-run", "rows=4,flow=2,task=2", "--invariance-segments", "4", "--invariance-probes", "2", "--budget-s", "3000"]
+         "--invariance-run", "rows=4,flow=2,task=2", "--invariance-segments", "4", "--invariance-probes", "2", "--budget-s", "3000",
+         "--parts-ab", "resid=1"]
 
 
 def bench(tmp_path: Path, *args: str, timeout: int = 1500) -> subprocess.CompletedProcess:
@@ -61,6 +62,8 @@ def test_every_stage_runs_on_cpu_and_the_result_has_a_headline(tmp_path, tiny_mo
     assert h["x_realtime"] == worker["tasks_of_4"]["x_realtime"] and h["baseline_x_realtime"] > 0
     (engine,) = r["stages"]["engine"]["runs"].values()
     assert engine["stored"] == r["corpus"]["segments"] and engine["failed"] == 0
+    parts = r["stages"]["parts"]["variants"]  # the shipped form and --parts-ab's switch, each timed
+    assert set(parts) == {"shipped", "resid=1"} and all(v["flow_s"] > 0 and v["hift_s"] > 0 for v in parts.values())
     render = r["stages"]["render"]
     assert render["state"] == "completed" and render["failed"] == 0 and render["segments"] > 0
     assert all(render[k] >= 0 for k in ("startup_s", "first_segment_s", "rendering_s", "assembly_tail_s"))
