@@ -21,13 +21,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
-from voxbatch.worker.cosyvoice2 import flash_varlen, flow_estimator
+from voxbatch.worker.cosyvoice2 import flash_varlen, flow_encoder, flow_estimator
 from voxbatch.worker.cosyvoice2 import flow as flow_module
 from voxbatch.worker.cosyvoice2.checkpoint import ModelDirError, read_config
 from voxbatch.worker.cosyvoice2.flash_varlen import PaddedRows, padded_attention
 from voxbatch.worker.cosyvoice2.flow import CausalFlow, ConditionalFlowMatching, FlowDims, cosine_t_span, euler_schedule, fixed_noise
-from voxbatch.worker.cosyvoice2.flow_encoder import length_mask
+from voxbatch.worker.cosyvoice2.flow_encoder import EncoderDims, UpsampleConformerEncoder, length_mask
 from voxbatch.worker.cosyvoice2.flow_estimator import CausalConditionalDecoder, EstimatorDims
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -970,3 +971,80 @@ def test_deferred_bias_matches_eager_on_gpu(gpu_estimators, monkeypatch) -> None
     for i, n in enumerate(VARLEN_LENS):
         alone = _estimate(est16, _alone(inputs, i, n), True, monkeypatch)[0]
         assert float((deferred[i, :, :n] - alone).abs().max()) <= ALONE_TOL * scale, n
+
+
+# -- The encoder's rel-pos attention as one SDPA call (flow_encoder.ENCODER_SDPA) -------------------
+
+
+def _encode_rows(flow: CausalFlow, lens: list[int], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random tokens for rows of `lens` tokens, padded with -1 -> (mu (B, 80, T_mel), valid (B, 80, T_mel))."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, flow.dims.vocab_size, (len(lens), max(lens)), generator=g)
+    for i, n in enumerate(lens):
+        tokens[i, n:] = -1
+    device = next(flow.parameters()).device
+    with torch.inference_mode():
+        mu, mel_lens = flow.encode(tokens.to(device), torch.tensor(lens, device=device))
+    valid = length_mask(mel_lens, mu.size(2))[:, None, :].expand(-1, mu.size(1), -1)
+    return mu.float(), valid
+
+
+def test_encoder_sdpa_matches_reference_on_cpu(flow: CausalFlow, ref: dict, monkeypatch) -> None:
+    """With ENCODER_SDPA the non-streaming encoder output still matches the official one within
+    TIGHT_TOL, the streaming call (chunk masks) takes the eager form, and on rows of three lengths
+    the valid frames equal the eager form's within TIGHT_TOL (padding keys masked in the SDPA path)."""
+    calls = []
+    real = F.scaled_dot_product_attention
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs.get("attn_mask"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(flow_encoder, "ENCODER_SDPA", False)
+    eager, valid = _encode_rows(flow, [37, 20, 9])
+    monkeypatch.setattr(flow_encoder, "ENCODER_SDPA", True)
+    monkeypatch.setattr(flow_encoder.F, "scaled_dot_product_attention", counted)
+    fused, _ = _encode_rows(flow, [37, 20, 9])
+    n_layers = len(flow.encoder.encoders) + len(flow.encoder.up_encoders)
+    assert len(calls) == n_layers > 0
+    assert all(m is not None and m.stride(-1) == 1 and m.stride(-2) % flow_encoder.MASK_ALIGN == 0 for m in calls)
+    assert float((fused - eager)[valid].abs().max()) <= TIGHT_TOL
+    test_encoder_mu(flow, ref, False, True, "flow_mu")
+    calls.clear()
+    test_encoder_mu(flow, ref, True, False, "flow_mu_stream_nonfinal")
+    assert not calls
+
+
+FULL_ENCODER = EncoderDims(512, 512, 8, 2048, 6, 25)  # CosyVoice2-0.5B's (bench/cosyvoice2_full.yaml)
+
+
+@pytest.mark.gpu
+def test_encoder_sdpa_matches_eager_on_gpu(monkeypatch) -> None:
+    """fp16 on the GPU, CosyVoice2-0.5B's encoder shape with seeded random weights, rows of three
+    lengths, valid frames: the SDPA encoder is as close to the fp32 encoder as the eager fp16 one (max
+    abs error <= 2x eager's + 1e-3 of the output's scale, mean <= 1.5x eager's + 1e-4 of it)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    torch.manual_seed(0)
+    enc = UpsampleConformerEncoder(FULL_ENCODER).eval()
+    for name, p in enc.named_parameters():  # pos_bias_u/v are torch.empty in the module
+        if "pos_bias" in name:
+            torch.nn.init.normal_(p, 0, 0.1)
+    enc32, enc16 = copy.deepcopy(enc).cuda(), copy.deepcopy(enc).to("cuda", torch.float16)
+    lens = torch.tensor([300, 170, 41], device="cuda")
+    x = torch.randn(3, 300, FULL_ENCODER.input_size, device="cuda") * length_mask(lens, 300)[..., None]
+
+    def run(e: UpsampleConformerEncoder, sdpa: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        monkeypatch.setattr(flow_encoder, "ENCODER_SDPA", sdpa)
+        with torch.inference_mode():
+            h, mel_lens = e(x.to(next(e.parameters()).dtype), lens)
+        return h.float(), length_mask(mel_lens, h.size(1))[..., None].expand(-1, -1, h.size(2))
+
+    ref, valid = run(enc32, False)
+    eager, fused = run(enc16, False)[0], run(enc16, True)[0]
+    assert torch.isfinite(fused[valid]).all()
+    scale = float(ref[valid].abs().max())
+    err_eager, err_fused = (eager - ref)[valid].abs(), (fused - ref)[valid].abs()
+    facts = f"scale {scale:.3g}; max err eager {float(err_eager.max()):.3g}, sdpa {float(err_fused.max()):.3g}; mean err eager {float(err_eager.mean()):.3g}, sdpa {float(err_fused.mean()):.3g}"
+    assert float(err_fused.max()) <= 2 * float(err_eager.max()) + 1e-3 * scale, facts
+    assert float(err_fused.mean()) <= 1.5 * float(err_eager.mean()) + 1e-4 * scale, facts

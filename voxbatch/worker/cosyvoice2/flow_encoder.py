@@ -33,6 +33,18 @@ from voxbatch.worker.cosyvoice2.checkpoint import ModelDirError
 # Hard-coded by the official UpsampleConformerEncoder whatever the yaml says.
 NUM_UP_BLOCKS = 4
 
+# The rel-pos attention without chunks as one SDPA call: the position term (q+v)p, scaled, with the
+# padding keys at -inf, is its additive mask, and the content term (q+u)k, the softmax and the values
+# run inside the fused kernel. The eager form writes and reads the (B, H, T, T) scores ~13 times (two
+# matmuls, the sum, the scale, two masked fills, the softmax): with 128 rows at ~1,000 frames that is
+# ~2 GB a pass, and its masked fills and batched matmuls took ~90 ms of a flow batch's 1.84 s of device
+# time on an H100 (bench/results/gpu_h100_worker26_profile.txt). Here the position term is written
+# once (into rows padded to 16 elements, the alignment the fused kernels want of a mask) and read
+# once. Streaming (chunk masks, where a padding query may see no key) keeps the eager form. Bench
+# switch `enc_sdpa`; off: not yet measured on a GPU.
+ENCODER_SDPA = False
+MASK_ALIGN = 16  # elements: row stride of the additive mask
+
 
 @dataclass(frozen=True)
 class EncoderDims:
@@ -160,6 +172,7 @@ class RelPositionSelfAttention(nn.Module):
         self.pos_bias_v = nn.Parameter(torch.empty(heads, self.d_k))
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """x (B, T, D), mask (B, 1|T, T) keys each query may see, pos (1, 2T-1, D) -> (B, T, D)."""
         B, T, _ = x.shape
         q = self.linear_q(x).view(B, T, self.h, self.d_k)  # (B, T, H, d_k)
         k = self.linear_k(x).view(B, T, self.h, self.d_k).transpose(1, 2)  # (B, H, T, d_k)
@@ -167,6 +180,13 @@ class RelPositionSelfAttention(nn.Module):
         p = self.linear_pos(pos).view(1, -1, self.h, self.d_k).transpose(1, 2)  # (1, H, 2T-1, d_k)
         q_u = (q + self.pos_bias_u).transpose(1, 2)  # (B, H, T, d_k)
         q_v = (q + self.pos_bias_v).transpose(1, 2)
+        if ENCODER_SDPA and mask.size(1) == 1:  # padding keys only: every query has a key (lengths >= 1)
+            scale = self.d_k**-0.5
+            bd = _take_relative((q_v * scale) @ p.transpose(-2, -1))  # (B, H, T, T), a strided view
+            bias = torch.empty(B, self.h, T, -(-T // MASK_ALIGN) * MASK_ALIGN, dtype=bd.dtype, device=bd.device)[..., :T]
+            torch.where(mask[:, None], bd, bd.new_full((), float("-inf")), out=bias)  # a fill on the device, no copy from the host
+            out = F.scaled_dot_product_attention(q_u, k, v, attn_mask=bias, scale=scale)  # (B, H, T, d_k)
+            return self.linear_out(out.transpose(1, 2).reshape(B, T, self.h * self.d_k))
         ac = q_u @ k.transpose(-2, -1)  # (B, H, T, T)
         bd = _take_relative(q_v @ p.transpose(-2, -1))  # (B, H, T, 2T-1) -> (B, H, T, T)
         scores = (ac + bd) / math.sqrt(self.d_k)
