@@ -852,21 +852,24 @@ def test_gelu_epilogue_plumbing_on_cpu(flow: CausalFlow, monkeypatch) -> None:
     assert float((fused - eager)[valid].abs().max()) <= TIGHT_TOL
 
 
-def test_causal_conv_in_place_taps_are_the_out_of_place_sum() -> None:
-    """CausalConv1d accumulates its taps in place; the result is bit-identical to the out-of-place
-    sum (the fp32-under-autocast path), on rows whose last K-1 frames are zero as the caller keeps them."""
+def test_causal_conv_taps_match_the_padded_conv() -> None:
+    """CausalConv1d's taps on row-shifted views of the flattened rows (no padded copy) give the
+    official causal conv (left pad K-1, Conv1d) within fp32 rounding, in place and, under autocast
+    (the fp32 baseline's path), out of place within bf16's; on rows whose last K-1 frames are zero as
+    the caller keeps them, and on a single row shorter than the kernel."""
     torch.manual_seed(0)
     conv = flow_estimator.CausalConv1d(16, 24, 3)
-    x = torch.randn(3, 9, 16)
-    x[:, -2:] = 0
-    with torch.inference_mode():
-        got = conv(x)
-        taps = conv.weight.permute(2, 0, 1)
-        flat = torch.nn.functional.pad(x.reshape(27, 16), (0, 0, 2, 0))
-        want = torch.nn.functional.linear(flat[2:], taps[2], conv.bias)
-        for k in range(2):
-            want = torch.addmm(want, flat[k : k + 27], taps[k].t())
-    assert torch.equal(got, want.view(3, 9, 24))
+    for shape in [(3, 9, 16), (1, 2, 16)]:
+        x = torch.randn(shape)
+        x[:, -2:] = 0
+        with torch.inference_mode():
+            want = conv._conv_forward(torch.nn.functional.pad(x.transpose(1, 2), (2, 0)), conv.weight, conv.bias).transpose(1, 2)
+            got = conv(x)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                cast = conv(x)
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+        assert cast.dtype == torch.bfloat16
+        torch.testing.assert_close(cast.float(), want, atol=3e-2, rtol=2e-2)
 
 
 @pytest.mark.gpu

@@ -171,16 +171,23 @@ class CausalConv1d(nn.Conv1d):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(B, T, C_in) -> (B, T, C_out)."""
         B, T, C = x.shape
-        K = self.kernel_size[0]
+        K, N = self.kernel_size[0], B * T
         taps = self._taps(self.weight)  # (K, C_out, C_in)
-        flat = F.pad(x.reshape(B * T, C), (0, 0, K - 1, 0))  # (K-1 + B*T, C)
-        y = F.linear(flat[K - 1 :], taps[K - 1], self.bias)  # (B*T, C_out)
-        # Accumulated in place (no copy of y per tap) unless autocast made y fp16 from fp32 taps (the
-        # fp32 baseline): then out of place, where autocast casts. The same matmul either way.
+        flat = x.reshape(N, C)
+        y = F.linear(flat, taps[K - 1], self.bias)  # (N, C_out): the tap on x[t]
+        # Tap k reads x[t - s], s = K-1-k: output rows [s, N) take input rows [0, N - s), and the first s
+        # rows take nothing (the zeros a left pad would give), so no padded copy of x is made. In place
+        # (no copy of y per tap) unless autocast made y fp16 from fp32 taps (the fp32 baseline): then out
+        # of place, where autocast casts. The same matmul either way.
         in_place = y.dtype == taps.dtype and not torch.is_autocast_enabled(y.device.type)
         for k in range(K - 1):
-            tap = flat[k : k + B * T]
-            y = y.addmm_(tap, taps[k].t()) if in_place else torch.addmm(y, tap, taps[k].t())
+            s = K - 1 - k
+            if s >= N:
+                continue
+            if in_place:
+                y[s:].addmm_(flat[: N - s], taps[k].t())
+            else:
+                y = torch.cat([y[:s], torch.addmm(y[s:], flat[: N - s], taps[k].t())])
         return y.view(B, T, -1)
 
 
