@@ -57,6 +57,7 @@ SWITCHES = {
     "ahead": ("voxbatch.worker.cosyvoice2.streaming", "VOCODER_LOOKAHEAD", _flag),
     "gelu": ("voxbatch.worker.cosyvoice2.flow_estimator", "GELU_EPILOGUE", _flag),
     "resid": ("voxbatch.worker.cosyvoice2.flow_estimator", "DEFERRED_BIAS", _flag),
+    "temb": ("voxbatch.worker.cosyvoice2.flow_estimator", "TIME_EMBEDDING_IN_NORM", _flag),
     "enc_sdpa": ("voxbatch.worker.cosyvoice2.flow_encoder", "ENCODER_SDPA", _flag),
     "source": ("voxbatch.worker.cosyvoice2.hift", "BATCHED_SOURCE", _flag),
     "draws": ("voxbatch.worker.cosyvoice2.hift", "IN_PLACE_DRAWS", _flag),

@@ -919,6 +919,16 @@ def test_deferred_bias_matches_eager_on_cpu(flow: CausalFlow, monkeypatch) -> No
     assert float((deferred - eager)[valid].abs().max()) <= TIGHT_TOL
 
 
+def test_time_embedding_in_norm_matches_eager_on_cpu(flow: CausalFlow, monkeypatch) -> None:
+    """With each resnet's time embedding added inside its first block's LayerNorm (before the mask)
+    and the second block's mask multiply skipped, the estimator's valid frames equal the eager form's
+    within TIGHT_TOL on CPU fp32, alone and with the deferred biases."""
+    eager, fused, valid = _flag_on_cpu(flow, monkeypatch, "TIME_EMBEDDING_IN_NORM", [])
+    assert float((fused - eager)[valid].abs().max()) <= TIGHT_TOL
+    _, both, _ = _flag_on_cpu(flow, monkeypatch, "TIME_EMBEDDING_IN_NORM", [(flow_estimator, "DEFERRED_BIAS", True)])
+    assert float((both - eager)[valid].abs().max()) <= TIGHT_TOL
+
+
 def test_deferred_bias_stack_output_is_masked_and_whole() -> None:
     """One stack on its own: the output is the eager blocks' output times the mask (within TIGHT_TOL of
     its scale),
@@ -952,18 +962,21 @@ def test_deferred_bias_stack_output_is_masked_and_whole() -> None:
 
 
 @pytest.mark.gpu
-def test_deferred_bias_matches_eager_on_gpu(gpu_estimators, monkeypatch) -> None:
-    """fp16 on the GPU (the fused LayerNorm adding the shifts, FlashAttention): with the biases deferred
-    the estimator is as close to the fp32 estimator as the eager fp16 one: max abs error <= 2x eager's
-    + 1e-3 of the output's scale, mean <= 1.5x eager's + 1e-4 of it; rows stay independent of the
-    batch within ALONE_TOL."""
+@pytest.mark.parametrize("flags", [("DEFERRED_BIAS",), ("TIME_EMBEDDING_IN_NORM",), ("DEFERRED_BIAS", "TIME_EMBEDDING_IN_NORM")])
+def test_deferred_bias_matches_eager_on_gpu(gpu_estimators, monkeypatch, flags) -> None:
+    """fp16 on the GPU (the fused LayerNorm adding the shifts or the time embedding, FlashAttention):
+    with the biases deferred and/or the time embedding in the LayerNorm, the estimator is as close to
+    the fp32 estimator as the eager fp16 one: max abs error <= 2x eager's + 1e-3 of the output's scale,
+    mean <= 1.5x eager's + 1e-4 of it; rows stay independent of the batch within ALONE_TOL."""
     est32, est16 = gpu_estimators
     inputs = _estimator_inputs(VARLEN_LENS, seed=3)
     valid = inputs[1].bool().expand(-1, 80, -1).cuda()
-    monkeypatch.setattr(flow_estimator, "DEFERRED_BIAS", False)
+    for flag in flags:
+        monkeypatch.setattr(flow_estimator, flag, False)
     ref = _estimate(est32, inputs, False, monkeypatch)[valid]
     eager = _estimate(est16, inputs, True, monkeypatch)
-    monkeypatch.setattr(flow_estimator, "DEFERRED_BIAS", True)
+    for flag in flags:
+        monkeypatch.setattr(flow_estimator, flag, True)
     deferred = _estimate(est16, inputs, True, monkeypatch)
     assert torch.isfinite(deferred).all()
     scale = float(ref.abs().max())

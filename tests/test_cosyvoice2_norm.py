@@ -61,6 +61,13 @@ def _check(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> None:
         got = fused_layer_norm(x, w, b, EPS, m)
         assert got is not None and got.dtype == dtype and got.shape == x.shape
         torch.testing.assert_close(got.double(), ref, atol=atol, rtol=rtol)
+    # With a row add (a resnet's time embedding, one vector per batch row b of x (B, T, C)), before the mask.
+    if len(shape) == 3:
+        add = (0.5 * torch.randn(shape[0], shape[-1], generator=torch.Generator().manual_seed(5))).to(device, dtype)
+        ref = (F.mish(want) + add.double()[:, None, :]) * mask.double()
+        got = fused_layer_norm(x, w, b, EPS, mask, None, add)
+        assert got is not None and got.dtype == dtype and got.shape == x.shape
+        torch.testing.assert_close(got.double(), ref, atol=atol, rtol=rtol)
     # With a shift (the transformer stream's deferred biases): the LayerNorm of x + shift, the sum
     # rounded to x's dtype first as eager's is. Not bf16 under the interpreter: it truncates that sum
     # where CUDA rounds it, an ulp of ~2.5 that the normalisation magnifies past the tolerance.
@@ -101,6 +108,8 @@ def test_kernel_declines() -> None:
         assert fused_layer_norm(x, w, b, EPS, mask[:, :2]) is None  # mask of another shape
         assert fused_layer_norm(x, w, b, EPS, None, b[:-1]) is None  # shift of another width
         assert fused_layer_norm(x, w, b, EPS, None, b.half()) is None  # shift in another dtype
+        assert fused_layer_norm(x, w, b, EPS, None, None, w[None].expand(2, -1).contiguous()) is None  # a row add needs a mask
+        assert fused_layer_norm(x, w, b, EPS, mask, None, w[None]) is None  # one row add for two rows
         wide = torch.zeros(1, 2 * norm_kernel.MAX_C, device="cuda")
         assert fused_layer_norm(wide, torch.ones(wide.shape[1], device="cuda"), torch.zeros(wide.shape[1], device="cuda"), EPS) is None
         with torch.autocast("cuda", dtype=torch.float16):

@@ -74,6 +74,12 @@ GELU_EPILOGUE = True
 # eager's (the tests hold it to eager within their tolerances). Bench switch `resid`; off: not yet
 # measured on a GPU.
 DEFERRED_BIAS = False
+# A resnet's time embedding added inside its first block's LayerNorm kernel, before the mask
+# ((mish(LN(conv(x))) + mlp(t)[b]) * mask, `fused_layer_norm(row_add=)`), so its second block reads
+# an input already masked: the broadcast add and the mask multiply of every resnet (28 of a U-Net pass's
+# elementwise kernels) go. The sum is rounded once instead of twice. Bench switch `temb`; off: not yet
+# measured on a GPU.
+TIME_EMBEDDING_IN_NORM = False
 _EPILOGUE_DEVICES = ("cuda",)  # where the epilogue runs (a test opens CPU, whose kernel is the exact GELU)
 _EPILOGUE_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -117,15 +123,17 @@ class EstimatorDims:
 
 
 def layer_norm(norm: nn.LayerNorm, x: torch.Tensor, mask: torch.Tensor | None = None,
-               shift: torch.Tensor | None = None) -> torch.Tensor:
+               shift: torch.Tensor | None = None, row_add: torch.Tensor | None = None) -> torch.Tensor:
     """norm(x) over the last dim of x (B, T, C); with mask (B, T, 1), mish(norm(x)) * mask; with
-    shift (C,), norm(x + shift)."""
+    shift (C,), norm(x + shift); with row_add (B, C) (and a mask), (mish(norm(x)) + row_add[b]) * mask."""
     if FUSED_NORM:  # None on CPU, and wherever else the kernel cannot run
-        out = fused_layer_norm(x, norm.weight, norm.bias, norm.eps, mask, shift)
+        out = fused_layer_norm(x, norm.weight, norm.bias, norm.eps, mask, shift, row_add)
         if out is not None:
             return out
     y = norm(x if shift is None else x + shift)
-    return y if mask is None else F.mish(y) * mask
+    if mask is None:
+        return y
+    return F.mish(y) * mask if row_add is None else (F.mish(y) + row_add[:, None, :]) * mask
 
 
 # ---------------------------------------------------------------------------------------------
@@ -199,9 +207,11 @@ class CausalBlock1D(nn.Module):
         # official layout: [conv, transpose, layernorm, transpose, mish]
         self.block = nn.ModuleList([CausalConv1d(c_in, c_out, 3), nn.Identity(), nn.LayerNorm(c_out)])
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor, masked: bool = False) -> torch.Tensor:
-        """x (B, T, C_in), mask (B, T, 1) -> (B, T, C_out); `masked`: x is already zero outside the mask."""
-        return layer_norm(self.block[2], self.block[0](x if masked else x * mask), mask)
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, masked: bool = False,
+                row_add: torch.Tensor | None = None) -> torch.Tensor:
+        """x (B, T, C_in), mask (B, T, 1) -> (B, T, C_out); `masked`: x is already zero outside the
+        mask; `row_add` (B, C_out): added to each row's output before the mask."""
+        return layer_norm(self.block[2], self.block[0](x if masked else x * mask), mask, row_add=row_add)
 
 
 class CausalResnetBlock1D(nn.Module):
@@ -216,8 +226,11 @@ class CausalResnetBlock1D(nn.Module):
         """x (B, T, C_in), mask (B, T, 1), t_emb (B, 4c) -> (B, T, C_out); `masked`: x is already
         zero outside the mask."""
         x = x if masked else x * mask  # read by block1 and the 1x1 conv
-        h = self.block1(x, mask, masked=True) + self.mlp(t_emb)[:, None, :]  # (B, T, C) + (B, 1, C)
-        h = self.block2(h, mask)
+        if TIME_EMBEDDING_IN_NORM:
+            h = self.block2(self.block1(x, mask, masked=True, row_add=self.mlp(t_emb).contiguous()), mask, masked=True)
+        else:
+            h = self.block1(x, mask, masked=True) + self.mlp(t_emb)[:, None, :]  # (B, T, C) + (B, 1, C)
+            h = self.block2(h, mask)
         return h + F.linear(x, self.res_conv.weight[:, :, 0], self.res_conv.bias)  # 1x1 conv
 
 

@@ -38,9 +38,9 @@ def _build():
     import triton.language as tl
 
     @triton.jit
-    def layer_norm_kernel(x_ptr, shift_ptr, w_ptr, b_ptr, mask_ptr, out_ptr, N, C, eps,
+    def layer_norm_kernel(x_ptr, shift_ptr, w_ptr, b_ptr, mask_ptr, add_ptr, out_ptr, N, C, T, eps,
                           BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, MISH: tl.constexpr,
-                          SHIFT: tl.constexpr):  # fmt: skip
+                          SHIFT: tl.constexpr, ROW_ADD: tl.constexpr):  # fmt: skip
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
         cols = tl.arange(0, BLOCK_C)  # (BLOCK_C,)
         row_ok = rows < N
@@ -63,14 +63,19 @@ def _build():
             n = tl.exp(tl.minimum(y, 20.0))
             p = n * (n + 2.0)
             keep = tl.load(mask_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)  # one scalar per row
-            y = y * (p / (p + 2.0)) * keep[:, None]
+            y = y * (p / (p + 2.0))
+            if ROW_ADD:  # + add[b] for row r = b * T + t, before the mask
+                batch = (rows // T).to(tl.int64)
+                add = tl.load(add_ptr + batch[:, None] * C + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+                y = y + add
+            y = y * keep[:, None]
         tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=ok)
 
     return triton, layer_norm_kernel
 
 
 def _supported(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, mask: torch.Tensor | None,
-               shift: torch.Tensor | None = None) -> bool:
+               shift: torch.Tensor | None = None, row_add: torch.Tensor | None = None) -> bool:
     C = x.shape[-1] if x.dim() else 0
     return (
         (x.is_cuda or interpreting())
@@ -81,6 +86,8 @@ def _supported(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor 
         and bias is not None and bias.shape == (C,) and bias.is_contiguous()
         and (mask is None or (mask.shape == (*x.shape[:-1], 1) and mask.is_contiguous()))
         and (shift is None or (shift.shape == (C,) and shift.dtype == x.dtype and shift.is_contiguous()))
+        and (row_add is None or (mask is not None and x.dim() == 3 and row_add.shape == (x.shape[0], C)
+                                 and row_add.dtype == x.dtype and row_add.is_contiguous()))
         and not torch.is_autocast_enabled(x.device.type)  # eager LayerNorm returns fp32 there
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or bias.requires_grad))
     )  # fmt: skip
@@ -88,12 +95,14 @@ def _supported(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor 
 
 def fused_layer_norm(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, mask: torch.Tensor | None = None,
-    shift: torch.Tensor | None = None,
+    shift: torch.Tensor | None = None, row_add: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """x (..., C) -> F.layer_norm(x, (C,), weight, bias, eps) in x's dtype; with mask (..., 1),
     F.mish(that) * mask; with shift (C,) in x's dtype, the LayerNorm of x + shift (the residual
-    stream's biases not yet added, flow_estimator.DEFERRED_BIAS). None: use the eager form."""
-    if _kernel.failed or not _supported(x, weight, bias, mask, shift):
+    stream's biases not yet added, flow_estimator.DEFERRED_BIAS); with row_add (B, C) for x (B, T, C)
+    and a mask, (F.mish(that) + row_add[b]) * mask (a resnet's time embedding,
+    flow_estimator.TIME_EMBEDDING_IN_NORM). None: use the eager form."""
+    if _kernel.failed or not _supported(x, weight, bias, mask, shift, row_add):
         return None
 
     def launch(triton, kernel) -> torch.Tensor:
@@ -105,8 +114,10 @@ def fused_layer_norm(
         if N:
             with on_device(x):
                 kernel[(triton.cdiv(N, block_m),)](
-                    x, x if shift is None else shift, weight, bias, x if mask is None else mask, out, N, C, float(eps),
+                    x, x if shift is None else shift, weight, bias, x if mask is None else mask,
+                    x if row_add is None else row_add, out, N, C, x.shape[1] if row_add is not None else 1, float(eps),
                     BLOCK_M=block_m, BLOCK_C=block_c, MISH=mask is not None, SHIFT=shift is not None,
+                    ROW_ADD=row_add is not None,
                     num_warps=max(4, block_m * block_c // 1024),
                 )  # fmt: skip
         return out
