@@ -10,7 +10,7 @@ from its text (Settings.engine_forced_lengths, 25 speech tokens per second of au
   accuracy   bf16/fp16 vs fp32 on the same inputs (LLM log-probs, flow mels, HiFT waveforms)
   llm        speech tokens/s of the torch backend vs batch size, and over the mixed-length corpus
   parts      where the GPU time goes: the shipped engine's LLM, flow and HiFT each alone over the corpus,
-             with same-run A/B of the flow layout and the fused Snake
+             (flow and HiFT interleaved with each --parts-ab SPEC's bench switches: device-time A/B)
   worker     `voxbatch worker` fed by `voxbatch submit` through a redis-server here (bench/worker_run.py),
              one job per task size; the first is the headline figure
   render     `voxbatch render` (one process, as a user runs it) over the corpus as a book: wall time, its
