@@ -878,20 +878,37 @@ def test_gelu_epilogue_matches_eager_on_gpu(gpu_estimators, monkeypatch) -> None
     estimator is as close to the fp32 estimator as the eager fp16 one: max abs error <= 2x eager's +
     1e-3 of the output's scale, mean <= 1.5x eager's + 1e-4 of it; and rows stay independent of the
     batch within ALONE_TOL."""
-    est32, est16 = gpu_estimators
-    inputs = _estimator_inputs(VARLEN_LENS, seed=2)
-    valid = inputs[1].bool().expand(-1, 80, -1).cuda()
-    monkeypatch.setattr(flow_estimator, "GELU_EPILOGUE", False)
-    ref = _estimate(est32, inputs, False, monkeypatch)[valid]  # fp32: masked SDPA (flash takes fp16/bf16)
-    eager = _estimate(est16, inputs, True, monkeypatch)
-    monkeypatch.setattr(flow_estimator, "GELU_EPILOGUE", True)
-    fused = _estimate(est16, inputs, True, monkeypatch)
+    _flags_hold_on_gpu(gpu_estimators, monkeypatch, ("GELU_EPILOGUE",), seed=2)
+
+
+def _as_close_as_eager(ref: torch.Tensor, eager: torch.Tensor, fused: torch.Tensor, label: str) -> float:
+    """fp16 `fused` is as close to the fp32 `ref` as fp16 `eager` is (same frames): max abs error <= 2x
+    eager's + 1e-3 of ref's scale, mean <= 1.5x eager's + 1e-4 of it. Returns the scale."""
     assert torch.isfinite(fused).all()
     scale = float(ref.abs().max())
-    err_eager, err_fused = (eager[valid] - ref).abs(), (fused[valid] - ref).abs()
-    facts = f"scale {scale:.3g}; max err eager {float(err_eager.max()):.3g}, epilogue {float(err_fused.max()):.3g}; mean err eager {float(err_eager.mean()):.3g}, epilogue {float(err_fused.mean()):.3g}"
+    err_eager, err_fused = (eager - ref).abs(), (fused - ref).abs()
+    facts = (f"scale {scale:.3g}; max err eager {float(err_eager.max()):.3g}, {label} {float(err_fused.max()):.3g}; "
+             f"mean err eager {float(err_eager.mean()):.3g}, {label} {float(err_fused.mean()):.3g}")
     assert float(err_fused.max()) <= 2 * float(err_eager.max()) + 1e-3 * scale, facts
     assert float(err_fused.mean()) <= 1.5 * float(err_eager.mean()) + 1e-4 * scale, facts
+    return scale
+
+
+def _flags_hold_on_gpu(gpu_estimators, monkeypatch, flags: tuple[str, ...], seed: int) -> None:
+    """The fp16 estimator with flow_estimator's `flags` on, on rows of VARLEN_LENS: as close to the fp32
+    estimator (flags off) as the fp16 one with them off (`_as_close_as_eager`, valid frames), and each
+    row the same alone as in the batch within ALONE_TOL of the output's scale."""
+    est32, est16 = gpu_estimators
+    inputs = _estimator_inputs(VARLEN_LENS, seed=seed)
+    valid = inputs[1].bool().expand(-1, 80, -1).cuda()
+    for flag in flags:
+        monkeypatch.setattr(flow_estimator, flag, False)
+    ref = _estimate(est32, inputs, False, monkeypatch)[valid]  # fp32: masked SDPA (flash takes fp16/bf16)
+    eager = _estimate(est16, inputs, True, monkeypatch)
+    for flag in flags:
+        monkeypatch.setattr(flow_estimator, flag, True)
+    fused = _estimate(est16, inputs, True, monkeypatch)
+    scale = _as_close_as_eager(ref, eager[valid], fused[valid], "+".join(flags))
     for i, n in enumerate(VARLEN_LENS):
         alone = _estimate(est16, _alone(inputs, i, n), True, monkeypatch)[0]
         assert float((fused[i, :, :n] - alone).abs().max()) <= ALONE_TOL * scale, n
@@ -968,25 +985,7 @@ def test_deferred_bias_matches_eager_on_gpu(gpu_estimators, monkeypatch, flags) 
     with the biases deferred and/or the time embedding in the LayerNorm, the estimator is as close to
     the fp32 estimator as the eager fp16 one: max abs error <= 2x eager's + 1e-3 of the output's scale,
     mean <= 1.5x eager's + 1e-4 of it; rows stay independent of the batch within ALONE_TOL."""
-    est32, est16 = gpu_estimators
-    inputs = _estimator_inputs(VARLEN_LENS, seed=3)
-    valid = inputs[1].bool().expand(-1, 80, -1).cuda()
-    for flag in flags:
-        monkeypatch.setattr(flow_estimator, flag, False)
-    ref = _estimate(est32, inputs, False, monkeypatch)[valid]
-    eager = _estimate(est16, inputs, True, monkeypatch)
-    for flag in flags:
-        monkeypatch.setattr(flow_estimator, flag, True)
-    deferred = _estimate(est16, inputs, True, monkeypatch)
-    assert torch.isfinite(deferred).all()
-    scale = float(ref.abs().max())
-    err_eager, err_deferred = (eager[valid] - ref).abs(), (deferred[valid] - ref).abs()
-    facts = f"scale {scale:.3g}; max err eager {float(err_eager.max()):.3g}, deferred {float(err_deferred.max()):.3g}; mean err eager {float(err_eager.mean()):.3g}, deferred {float(err_deferred.mean()):.3g}"
-    assert float(err_deferred.max()) <= 2 * float(err_eager.max()) + 1e-3 * scale, facts
-    assert float(err_deferred.mean()) <= 1.5 * float(err_eager.mean()) + 1e-4 * scale, facts
-    for i, n in enumerate(VARLEN_LENS):
-        alone = _estimate(est16, _alone(inputs, i, n), True, monkeypatch)[0]
-        assert float((deferred[i, :, :n] - alone).abs().max()) <= ALONE_TOL * scale, n
+    _flags_hold_on_gpu(gpu_estimators, monkeypatch, flags, seed=3)
 
 
 # -- The encoder's rel-pos attention as one SDPA call (flow_encoder.ENCODER_SDPA) -------------------
@@ -1058,9 +1057,4 @@ def test_encoder_sdpa_matches_eager_on_gpu(monkeypatch) -> None:
 
     ref, valid = run(enc32, False)
     eager, fused = run(enc16, False)[0], run(enc16, True)[0]
-    assert torch.isfinite(fused[valid]).all()
-    scale = float(ref[valid].abs().max())
-    err_eager, err_fused = (eager - ref)[valid].abs(), (fused - ref)[valid].abs()
-    facts = f"scale {scale:.3g}; max err eager {float(err_eager.max()):.3g}, sdpa {float(err_fused.max()):.3g}; mean err eager {float(err_eager.mean()):.3g}, sdpa {float(err_fused.mean()):.3g}"
-    assert float(err_fused.max()) <= 2 * float(err_eager.max()) + 1e-3 * scale, facts
-    assert float(err_fused.mean()) <= 1.5 * float(err_eager.mean()) + 1e-4 * scale, facts
+    _as_close_as_eager(ref[valid], eager[valid], fused[valid], "sdpa")
