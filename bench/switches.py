@@ -68,6 +68,7 @@ SWITCHES = {
     "fa3": ("voxbatch.worker.cosyvoice2.flash_varlen", "FA3", _flag),
     "fa3_splits": ("voxbatch.worker.cosyvoice2.flash_varlen", "FA3_SPLITS", int),
     "fa3_q": ("voxbatch.worker.cosyvoice2.flash_varlen", "FA3_SKIP_PADDING", _flag),
+    "llm_fa3": ("voxbatch.worker.cosyvoice2.flash_varlen", "DECODE_FA3", _flag),
     "graphs": ("voxbatch.worker.cosyvoice2.flow", "EULER_STEP_GRAPHS", _flag),
     "cf": ("voxbatch.worker.cosyvoice2.flow", "EULER_CAPTURE_FIRST", _flag),
     "gcache": ("voxbatch.worker.cosyvoice2.flow", "STEP_GRAPH_CACHE", _flag),

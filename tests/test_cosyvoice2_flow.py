@@ -460,7 +460,8 @@ FA3_SCHEMA = (
 
 def _fa3_on_cpu(name: str, schema: str):
     """A CPU op under FA3's schema computing what the real one does for our arguments: queries varlen
-    by cu_seqlens_q, keys the padded batch (B, T, H, D) cut at seqused_k[b]."""
+    by cu_seqlens_q, keys the padded batch (B, T, KVH, D) cut at seqused_k[b] (grouped-query heads as
+    FA3 takes them). tests/test_cosyvoice2_llm.py binds the decode call on it too."""
     lib = torch.library.Library(name, "DEF")
     lib.define(f"fwd({schema}) -> Tensor[]")
 
@@ -473,7 +474,7 @@ def _fa3_on_cpu(name: str, schema: str):
             n, start = int(used[b]), int(cu[b])
             nq = T if used_q is None else int(used_q[b])  # rows past seqused_q[b] are not written
             qs, ks, vs = q[start : start + nq].transpose(0, 1), k[b, :n].transpose(0, 1), v[b, :n].transpose(0, 1)
-            out[start : start + nq] = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs).transpose(0, 1)
+            out[start : start + nq] = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, enable_gqa=True).transpose(0, 1)
         return [out, torch.empty(0)]
 
     lib.impl("fwd", fwd, "CPU")

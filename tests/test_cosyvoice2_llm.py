@@ -487,3 +487,98 @@ def test_packed_prefill_on_gpu_as_close_as_padded(tiny_model_dir, ref, seq_max, 
     err_packed = float((out["packed"] - out["ref"]).abs().max())
     assert torch.isfinite(out["packed"]).all()
     assert err_packed <= 2 * err_padded + 1e-2, (err_packed, err_padded)
+
+
+# -- The decode step's attention on FlashAttention-3 (flash_varlen.DECODE_FA3) -----------------------
+
+
+def _decode_logp(m: CosyVoice2LM, prompts, rows: list[int], steps: int) -> list[torch.Tensor]:
+    """Padded prefill of `prompts` into cache `rows` of a 4-row cache, then `steps` greedy decode steps
+    over all 4 rows (decode_step's row b is cache row b; the unused row decodes garbage in its own row):
+    each step's log-probs of the prompts' rows, on the CPU in fp32."""
+    dev = m.cache_k.device
+    embeds, lengths = m.embed_batch(prompts)
+    logp = m.prefill(embeds.to(dev), lengths.to(dev), rows=torch.tensor(rows, device=dev))
+    full = torch.zeros((4, logp.shape[-1]), device=dev, dtype=logp.dtype)
+    full[rows] = logp
+    pos = torch.zeros(4, dtype=torch.long, device=dev)
+    pos[rows] = lengths.to(dev)
+    out = []
+    for i in range(steps):
+        full = m.decode_step(full.argmax(-1), pos + i)  # the widest kv_len: rows use ~half of it
+        out.append(full[rows].float().cpu())
+    return out
+
+
+@torch.inference_mode()
+def test_fa3_decode_equals_sdpa_on_cpu(tiny_model_dir, ref, seq_max, monkeypatch):
+    """The decode step with DECODE_FA3, its call bound on an op of vLLM 0.26's FA3 schema that computes
+    FA3's semantics on CPU (queries varlen, the cache (B, S, KVH, D) cut at seqused_k, grouped-query
+    heads): every step's log-probs equal the masked-SDPA step's within LOGP_ATOL over rows of three
+    prompt lengths, and every layer of every step took the FA3 call."""
+    from tests.test_cosyvoice2_flow import FA3_SCHEMA, _fa3_on_cpu
+    from voxbatch.worker.cosyvoice2 import flash_varlen
+
+    lib, op = _fa3_on_cpu("voxbatch_test_fa3_decode", FA3_SCHEMA)
+    calls = []
+    bound = flash_varlen.bind_fa3_decode(op)
+
+    def counted(*args):
+        calls.append(1)
+        return bound(*args)
+
+    m = CosyVoice2LM.from_model_dir(tiny_model_dir)
+    m.setup_cache(batch_max=4, seq_max=seq_max)
+    prompts, rows = _prompts(ref), [2, 0, 3]
+    sdpa = _decode_logp(m, prompts, rows, steps=5)
+    monkeypatch.setattr(flash_varlen, "_DEVICES", ("cpu",))
+    monkeypatch.setattr(flash_varlen, "_DTYPES", (torch.float32,))
+    monkeypatch.setattr(flash_varlen, "DECODE_FA3", True)
+    monkeypatch.setattr(flash_varlen, "_fa3_decode", counted)
+    fa3 = _decode_logp(m, prompts, rows, steps=5)
+    assert len(calls) == 5 * m.dims.n_layers
+    for got, want in zip(fa3, sdpa):
+        assert float((got - want).abs().max()) <= LOGP_ATOL
+
+
+def test_fa3_decode_declines_where_it_cannot_run(monkeypatch):
+    """Off, on CPU tensors, in fp32 or after a failed call: None (the caller's SDPA), nothing tried."""
+    from voxbatch.worker.cosyvoice2 import flash_varlen
+
+    q, k = torch.zeros(2, 4, 1, 8), torch.zeros(2, 2, 5, 8)
+    rows = flash_varlen.decode_rows(torch.tensor([3, 1]))
+    assert rows[0].tolist() == [0, 1, 2] and rows[1].tolist() == [4, 2] and rows[1].dtype == torch.int32
+    assert flash_varlen.decode_attention(q, k, k, rows) is None  # off
+    monkeypatch.setattr(flash_varlen, "DECODE_FA3", True)
+    monkeypatch.setattr(flash_varlen, "_fa3_decode", lambda *a: pytest.fail("called"))
+    assert flash_varlen.decode_attention(q, k, k, rows) is None  # a CPU tensor
+    monkeypatch.setattr(flash_varlen, "_DEVICES", ("cpu",))
+    assert flash_varlen.decode_attention(q, k, k, rows) is None  # fp32
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@torch.inference_mode()
+def test_fa3_decode_on_gpu_as_close_as_sdpa(tiny_model_dir, ref, seq_max, dtype, monkeypatch):
+    """CUDA, vLLM's FA3 where installed (skipped where not): the decode steps' log-probs in `dtype` are as
+    close to the fp32 SDPA steps as SDPA's in that dtype: max abs error <= 2x SDPA's + 1e-2."""
+    from voxbatch.worker.cosyvoice2 import flash_varlen
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    if flash_varlen.fa3_library() is None or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs vLLM's FlashAttention-3 extension on an sm90 GPU")
+    prompts, rows = _prompts(ref), [2, 0, 3]
+
+    def run(dt: torch.dtype, fa3: bool) -> list[torch.Tensor]:
+        monkeypatch.setattr(flash_varlen, "DECODE_FA3", fa3)
+        m = CosyVoice2LM.from_model_dir(tiny_model_dir).to("cuda", dt)
+        m.setup_cache(batch_max=4, seq_max=seq_max)
+        return _decode_logp(m, prompts, rows, steps=5)
+
+    want, sdpa, fa3 = run(torch.float32, False), run(dtype, False), run(dtype, True)
+    assert callable(flash_varlen._fa3_decode), "the FA3 decode call did not run"
+    for w, s_, f in zip(want, sdpa, fa3):
+        finite = torch.isfinite(w)
+        err_sdpa, err_fa3 = float((s_ - w)[finite].abs().max()), float((f - w)[finite].abs().max())
+        assert err_fa3 <= 2 * err_sdpa + 1e-2, (err_fa3, err_sdpa)

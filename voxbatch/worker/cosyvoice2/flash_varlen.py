@@ -147,16 +147,20 @@ def _load_fa3(device: torch.device) -> FlashCall:
     return bind_fa3(torch.ops._vllm_fa3_C.fwd)
 
 
-def bind_fa3(op) -> FlashCall:
-    """Our padded-rows call on vLLM's FA3 `fwd` op (q varlen by `cu_seq`, keys the padded batch)."""
-    # Every argument by its name in the op's schema (vLLM 0.26's), none by position: a vLLM whose op
-    # renamed, added or dropped one fails the first call (FlashAttention-2 from then on) instead of
-    # reading our values as other arguments.
+def _fa3_fixed() -> dict:
+    """The FA3 `fwd` arguments both our calls leave at their defaults. Every argument goes by its name in
+    the op's schema (vLLM 0.26's), none by position: a vLLM whose op renamed, added or dropped one fails
+    the first call (the fallback from then on) instead of reading our values as other arguments."""
     unused = ("k_new", "v_new", "q_v", "out", "cu_seqlens_k", "cu_seqlens_k_new", "seqused_q", "page_table", "kv_batch_idx",
               "leftpad_k", "rotary_cos", "rotary_sin", "seqlens_rotary", "q_descale", "k_descale", "v_descale",
               "scheduler_metadata", "pack_gqa", "s_aux", "cp_tot_seqused_k")
-    fixed = dict.fromkeys(unused) | dict(is_causal=False, window_size_left=-1, window_size_right=-1, softcap=0.0,
-                                         is_rotary_interleaved=True, sm_margin=0, cp_world_size=1, cp_rank=0)
+    return dict.fromkeys(unused) | dict(is_causal=False, window_size_left=-1, window_size_right=-1, softcap=0.0,
+                                        is_rotary_interleaved=True, sm_margin=0, cp_world_size=1, cp_rank=0)
+
+
+def bind_fa3(op) -> FlashCall:
+    """Our padded-rows call on vLLM's FA3 `fwd` op (q varlen by `cu_seq`, keys the padded batch)."""
+    fixed = _fa3_fixed()
 
     def call(q, k, v, cu_seq, T, lens):
         B, (H, D) = lens.size(0), k.shape[1:]
@@ -223,6 +227,62 @@ def padded_attention(qkv: torch.Tensor, rows: PaddedRows) -> torch.Tensor | None
         _flash = False
         return None
     return out.reshape(B, T, H, D)
+
+
+# -- one query per row over the KV cache (the LLM's decode step) ----------------------------------------
+#
+# The torch backend's decode step attends each row's one new query over cache positions [0, kv_len),
+# kv_len the step graph's width for the longest row, with SDPA and a (B, 1, 1, kv_len) mask: cuDNN's
+# kernel (an sm80 one on the H100) reads every row's keys up to that width, 28% of a 256-row step's
+# device time (bench/results/gpu_h100_worker26_profile.txt, "decode_step_graphs"). FA3 takes the cache
+# as it is laid out (a (B, KVH, S, D) tensor viewed as (B, S, KVH, D), unit stride in D), grouped-query
+# heads as they are, and each row's key count on the device (`seqused_k`: its position + 1), so a row
+# reads its own keys only and the call's shapes stay those of the graph. Bench switch `llm_fa3`; off:
+# not yet measured on a GPU.
+
+DECODE_FA3 = False
+DecodeCall = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+_fa3_decode: DecodeCall | None | bool = None  # bound on the FA3 op once it is loaded; False after a failure
+
+
+def bind_fa3_decode(op) -> DecodeCall:
+    """One query per row on vLLM's FA3 `fwd` op: (q (B, H, D), k and v (B, S, KVH, D), cu_q (B+1,) =
+    0..B int32, used (B,) int32 keys per row) -> (B, H, D)."""
+    fixed = _fa3_fixed()
+
+    def call(q, k, v, cu_q, used):
+        return op(q=q, k=k, v=v, cu_seqlens_q=cu_q, seqused_k=used, max_seqlen_q=1, max_seqlen_k=k.size(1),
+                  softmax_scale=q.size(-1) ** -0.5, num_splits=0, **fixed)[0]
+
+    return call
+
+
+def decode_rows(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode step's rows for `decode_attention`, made once per step: (cu_q (B+1,) = 0..B, used (B,) =
+    positions + 1), int32, on the positions' device."""
+    B = positions.size(0)
+    return torch.arange(B + 1, device=positions.device, dtype=torch.int32), (positions + 1).to(torch.int32)
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     rows: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor | None:
+    """q (B, H, 1, D), the cache's k and v (B, KVH, S, D), rows (`decode_rows`): row b attends to its
+    first used[b] keys -> (B, H, 1, D); None where FA3 cannot run here (the caller uses SDPA with its mask)."""
+    global _fa3_decode
+    if not DECODE_FA3 or _fa3_decode is False or q.device.type not in _DEVICES or q.dtype not in _DTYPES:
+        return None
+    if _fa3_decode is None:
+        if _fa3_call(q.device) is None:  # loads the op library once, or knows it cannot
+            return None
+        _fa3_decode = bind_fa3_decode(torch.ops._vllm_fa3_C.fwd)
+    B, H, _, D = q.shape
+    try:
+        out = _fa3_decode(q.reshape(B, H, D), k.transpose(1, 2), v.transpose(1, 2), *rows)  # type: ignore[operator]
+    except Exception as e:  # noqa: BLE001 - SDPA still works
+        log.warning("FlashAttention-3 decode call failed (%s: %s); the LLM's decode uses SDPA", type(e).__name__, e)
+        _fa3_decode = False
+        return None
+    return out.view(B, H, 1, D)
 
 
 # -- packed causal attention (the LLM's prefill) ------------------------------------------------------

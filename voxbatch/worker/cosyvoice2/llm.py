@@ -232,6 +232,7 @@ class Attention(nn.Module):
         write_rows: Tensor | None = None,  # prefill: (B,) cache row of each sequence
         write_pos: Tensor | None = None,  # decode: (B,) position each row's token is written at
         kv_len: int = 0,  # decode: how many cache positions to attend over
+        kv_used: tuple[Tensor, Tensor] | None = None,  # decode, FA3: flash_varlen.decode_rows of the positions
         packed: PackedPrompts | None = None,  # packed prefill: x is (N, D), cos/sin (N, head_dim)
     ) -> Tensor:
         if packed is not None:
@@ -252,6 +253,10 @@ class Attention(nn.Module):
                 cache_k[rows, :, write_pos] = k[:, :, 0]  # (B, KVH, hd)
                 cache_v[rows, :, write_pos] = v[:, :, 0]
                 k, v = cache_k[:B, :, :kv_len], cache_v[:B, :, :kv_len]  # (B, KVH, kv_len, hd)
+                if kv_used is not None:
+                    out = flash_varlen.decode_attention(q, k, v, kv_used)  # None where FA3 cannot run
+                    if out is not None:
+                        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv_heads != self.n_heads)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
@@ -319,11 +324,13 @@ class Qwen2Body(nn.Module):
         write_rows: Tensor | None = None,
         write_pos: Tensor | None = None,
         kv_len: int = 0,
+        kv_used: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
         cos, sin = rope_cos_sin(positions, self.dims.head_dim, self.dims.rope_theta, x.dtype)
         for i, layer in enumerate(self.layers):
             layer_cache = None if cache is None else (cache[0][i], cache[1][i])
-            x = layer(x, cos, sin, mask, cache=layer_cache, write_rows=write_rows, write_pos=write_pos, kv_len=kv_len)
+            x = layer(x, cos, sin, mask, cache=layer_cache, write_rows=write_rows, write_pos=write_pos, kv_len=kv_len,
+                      kv_used=kv_used)
         return self.norm(x)
 
     def packed(self, x: Tensor, packed: PackedPrompts, cache: tuple[Tensor, Tensor]) -> Tensor:
@@ -494,5 +501,7 @@ class CosyVoice2LM(nn.Module):
         x = self.speech_embedding(tokens)[:, None]  # (B, 1, D)
         keys = torch.arange(kv_len, device=tokens.device)
         mask = (keys[None, :] <= positions[:, None])[:, None, None]  # (B, 1, 1, kv_len)
-        hidden = self.body(x, positions[:, None], mask, cache=(self.cache_k, self.cache_v), write_pos=positions, kv_len=kv_len)
+        used = flash_varlen.decode_rows(positions) if flash_varlen.DECODE_FA3 else None  # the same keys as counts per row
+        hidden = self.body(x, positions[:, None], mask, cache=(self.cache_k, self.cache_v), write_pos=positions, kv_len=kv_len,
+                           kv_used=used)
         return self.logp(hidden[:, 0])  # (B, S+3)
