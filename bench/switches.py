@@ -50,6 +50,7 @@ SWITCHES = {
     "hift_cl": ("voxbatch.worker.cosyvoice2.hift", "CHANNELS_LAST", _flag),
     "varlen": ("voxbatch.worker.cosyvoice2.flow_estimator", "VARLEN_ATTENTION", _flag),
     "packed": ("voxbatch.worker.cosyvoice2.llm", "PACKED_PREFILL", _flag),
+    "rope": ("voxbatch.worker.cosyvoice2.llm", "FUSED_DECODE_ROPE", _flag),
     "merge": ("voxbatch.worker.cosyvoice2.streaming", "TAIL_MERGE", _flag),
     "llock": ("voxbatch.worker.cosyvoice2.streaming", "LAUNCH_LOCK", _flag),
     "vprio": ("voxbatch.worker.cosyvoice2.streaming", "PRIMARY_VOCODER_PRIORITY", int),

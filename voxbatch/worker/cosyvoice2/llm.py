@@ -35,6 +35,7 @@ from voxbatch.worker.cosyvoice2.checkpoint import ModelDirError, check_keys, emp
 from voxbatch.worker.cosyvoice2 import flash_varlen
 from voxbatch.worker.cosyvoice2.derived import stacked
 from voxbatch.worker.cosyvoice2.h2d import to_device
+from voxbatch.worker.cosyvoice2.rope_kernel import decode_rope_cache
 
 SOS, TASK_ID = 0, 1  # rows of `llm_embedding`
 
@@ -106,6 +107,11 @@ FUSED_KERNELS = True
 # vs 270.7x padded, bench/results/gpu_h200_worker6.json; medians of two runs each in A B B A order
 # 246.8x vs 216.4x, gpu_h200_worker7.json).
 PACKED_PREFILL = True
+# The decode step's rotary embedding of q and k and its writes of k and v into the cache as one Triton
+# kernel per layer (rope_kernel.py) instead of ~12 small ones, bit for bit eager's in fp16/bf16 (the
+# kernels it replaces are ~19% of a 256-row step's device time, bench/results/gpu_h100_worker26_profile.txt).
+# Bench switch `rope`; off: not yet measured on a GPU.
+FUSED_DECODE_ROPE = False
 
 
 class RMSNorm(nn.Module):
@@ -239,6 +245,10 @@ class Attention(nn.Module):
             return self._packed(x, cos, sin, cache, packed)
         B, T, _ = x.shape
         q, k, v = self.project(x)
+        if FUSED_DECODE_ROPE and cache is not None and write_pos is not None:
+            q_rot = decode_rope_cache(q, k, v, cos, sin, cache[0], cache[1], write_pos)  # (B, H, 1, hd), cache written
+            if q_rot is not None:
+                return self._attend_cache(q_rot, cache, mask, kv_len, kv_used)
         q = q.reshape(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
         k = k.reshape(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, KVH, T, hd)
         v = v.reshape(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
@@ -252,13 +262,20 @@ class Attention(nn.Module):
                 rows = torch.arange(B, device=x.device)
                 cache_k[rows, :, write_pos] = k[:, :, 0]  # (B, KVH, hd)
                 cache_v[rows, :, write_pos] = v[:, :, 0]
-                k, v = cache_k[:B, :, :kv_len], cache_v[:B, :, :kv_len]  # (B, KVH, kv_len, hd)
-                if kv_used is not None:
-                    out = flash_varlen.decode_attention(q, k, v, kv_used)  # None where FA3 cannot run
-                    if out is not None:
-                        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+                return self._attend_cache(q, cache, mask, kv_len, kv_used)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv_heads != self.n_heads)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+
+    def _attend_cache(self, q: Tensor, cache: tuple[Tensor, Tensor], mask: Tensor, kv_len: int,
+                      kv_used: tuple[Tensor, Tensor] | None) -> Tensor:
+        """Decode: q (B, H, 1, hd), this step's k and v already in the cache -> (B, 1, D), each row over
+        cache positions [0, kv_len) as `mask` allows (FA3 with its key counts where `kv_used` and it runs)."""
+        B = q.shape[0]
+        k, v = cache[0][:B, :, :kv_len], cache[1][:B, :, :kv_len]  # (B, KVH, kv_len, hd)
+        out = flash_varlen.decode_attention(q, k, v, kv_used) if kv_used is not None else None  # None: FA3 cannot run
+        if out is None:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv_heads != self.n_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(B, 1, self.n_heads * self.head_dim))
 
     def _packed(self, x: Tensor, cos: Tensor, sin: Tensor, cache: tuple[Tensor, Tensor], packed: PackedPrompts) -> Tensor:
         """Prompts laid end to end, x (N, D): write K/V at each entry's (row, position), attend causally
