@@ -322,9 +322,10 @@ class TransformerBlock(nn.Module):
         return self.attn1.to_out[0].bias, self.ff.net[2].bias
 
     def accumulate(self, s: torch.Tensor, mask: AttentionMask, shift_attn: torch.Tensor, shift_ff: torch.Tensor) -> None:
-        """`forward` on the stream s (B, T', C) in place, without `biases()`: s holds x - shift_attn
-        (the biases of the blocks before), and afterwards what `forward` gives minus shift_ff + b_ff
-        (shift_ff = shift_attn + b_attn)."""
+        """`forward` on the residual stream s (B, T', C), in place and without `biases()`. On entry
+        s = x - shift_attn (x what `forward` takes, shift_attn the biases the blocks before left out);
+        on return s = forward(x) - (shift_ff + b_ff), the next block's shift_attn, where
+        shift_ff = shift_attn + b_attn."""
         flat = s.view(-1, s.size(-1))  # (B*T', C)
         heads = self.attn1.heads_out(layer_norm(self.norm1, s, shift=shift_attn), mask)  # (B, T', H*d_h)
         flat.addmm_(heads.reshape(flat.size(0), -1), self.attn1.to_out[0].weight.t())
@@ -360,6 +361,7 @@ class TransformerStack(nn.ModuleList):
         for i, block in enumerate(self):
             block.accumulate(h, mask, shifts[2 * i], shifts[2 * i + 1])
         return h.add_(shifts[-1]).mul_(m), True
+
 
 # ---------------------------------------------------------------------------------------------
 # The U-Net
@@ -431,6 +433,6 @@ class CausalConditionalDecoder(nn.Module):
             h = torch.cat([h[:, : skip.size(1)], skip], dim=2)  # (B, T', 2c)
             h, masked = layers(resnet(h, m, t_emb, masked and skip_masked), attn_mask, m)
             h = up(h if masked else h * m)
-        h = self.final_block(h, m)
-        out = F.linear(h * m, self.final_proj.weight[:, :, 0], self.final_proj.bias) * m  # (B, T', 80)
+        h = self.final_block(h, m)  # mish(LN(.)) * m: already zero outside m
+        out = F.linear(h, self.final_proj.weight[:, :, 0], self.final_proj.bias) * m  # (B, T', 80)
         return out[:, :T].transpose(1, 2)  # (B, 80, T)
