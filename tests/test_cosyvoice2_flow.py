@@ -950,6 +950,24 @@ def test_time_embedding_in_norm_matches_eager_on_cpu(flow: CausalFlow, monkeypat
     assert float((both - eager)[valid].abs().max()) <= TIGHT_TOL
 
 
+@pytest.mark.parametrize("lens", [[40, 33, 7], [23]], ids=["three rows", "one row"])
+def test_flow_fusions_hold_streaming_and_for_one_row(flow: CausalFlow, monkeypatch, lens) -> None:
+    """DEFERRED_BIAS and TIME_EMBEDDING_IN_NORM together, with the streaming chunk masks (the SDPA path)
+    and without, on three rows and on one: the valid frames equal the eager estimator's within TIGHT_TOL."""
+    inputs = _estimator_inputs(lens, seed=4)
+    valid = inputs[1].bool().expand(-1, 80, -1)
+    est = flow.decoder.estimator
+    for streaming in (False, True):
+        with torch.inference_mode():
+            monkeypatch.setattr(flow_estimator, "DEFERRED_BIAS", False)
+            monkeypatch.setattr(flow_estimator, "TIME_EMBEDDING_IN_NORM", False)
+            eager = est(*inputs, streaming=streaming)
+            monkeypatch.setattr(flow_estimator, "DEFERRED_BIAS", True)
+            monkeypatch.setattr(flow_estimator, "TIME_EMBEDDING_IN_NORM", True)
+            fused = est(*inputs, streaming=streaming)
+        assert float((fused - eager)[valid].abs().max()) <= TIGHT_TOL, streaming
+
+
 def test_deferred_bias_stack_output_is_masked_and_whole() -> None:
     """One stack on its own: the output is the eager blocks' output times the mask (within TIGHT_TOL of
     its scale),
