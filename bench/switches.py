@@ -66,6 +66,7 @@ SWITCHES = {
     "prepare": ("voxbatch.worker.cosyvoice2.engine", "PREPARE_AT_ENQUEUE", _flag),
     "hift_dtype": ("voxbatch.worker.cosyvoice2.engine", "HIFT_GPU_DTYPE", _dtype),
     "epilogue": ("voxbatch.worker.cosyvoice2.hift", "FUSED_CONV_EPILOGUE", _flag),
+    "snake_epi": ("voxbatch.worker.cosyvoice2.hift", "SNAKE_IN_EPILOGUE", _flag),
     "fa3": ("voxbatch.worker.cosyvoice2.flash_varlen", "FA3", _flag),
     "fa3_splits": ("voxbatch.worker.cosyvoice2.flash_varlen", "FA3_SPLITS", int),
     "fa3_q": ("voxbatch.worker.cosyvoice2.flash_varlen", "FA3_SKIP_PADDING", _flag),

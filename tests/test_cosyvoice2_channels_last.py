@@ -86,8 +86,8 @@ def _decode(model: HiFTGenerator, device: str, monkeypatch, ref: dict, frames: i
     layouts: list = []
     conv, snake = hift_mod.masked_conv, hift_mod.Snake.forward
 
-    def conv_seen(c, x, mask, skip=None):
-        y = conv(c, x, mask, skip)
+    def conv_seen(c, x, mask, skip=None, then=None):
+        y = conv(c, x, mask, skip, then)
         layouts.extend((channels_last(x), channels_last(y)))
         return y
 

@@ -132,6 +132,85 @@ def test_decode_bit_identical_on_gpu(tiny_model_dir: Path, ref: dict, monkeypatc
     assert torch.equal(_decode(model, True, "cuda", monkeypatch, ref), _decode(model, False, "cuda", monkeypatch, ref))
 
 
+# -- a residual block's second Snake in its first conv's epilogue (hift.SNAKE_IN_EPILOGUE) ----------------
+
+
+def _check_snake_kernel(shape: tuple[int, int, int], device: str, stored_channels_last: bool) -> None:
+    """The epilogue with a Snake against the epilogue kernel then the Snake kernel, bit for bit, with and
+    without a skip, in either layout; Snake's alpha spread over [0.2, 3] so the sine sees large arguments."""
+    from voxbatch.worker.cosyvoice2.snake_kernel import fused_snake
+
+    y, bias, mask, skip = _inputs(shape, device)
+    alpha = torch.linspace(0.2, 3.0, shape[1], device=device)
+    args = torch.stack([alpha, 1.0 / (alpha + 1e-9)])
+    layout = (lambda t: to_channels_last(t.clone())) if stored_channels_last else torch.clone
+    for s in (None, skip):
+        two_kernels = fused_snake(conv_epilogue(layout(y), bias, mask, None if s is None else layout(s)), args)
+        one = conv_epilogue(layout(y), bias, mask, None if s is None else layout(s), args)
+        assert one is not None and two_kernels is not None and channels_last(one) is channels_last(layout(y))
+        assert torch.equal(one, two_kernels)
+    assert conv_epilogue(layout(y), bias, mask, None, args[:, :1]) is None or shape[1] == 1  # args of another width
+
+
+def _decode_snake(model: HiFTGenerator, in_epilogue: bool, device: str, monkeypatch, ref: dict) -> torch.Tensor:
+    """HiFT's decode with the epilogue kernel and the Snake kernel forced (the interpreter's CPU tensors
+    included), SNAKE_IN_EPILOGUE on or off; on, every residual block's first conv took its Snake in the
+    kernel."""
+    from voxbatch.worker.cosyvoice2.snake_kernel import fused_snake
+
+    with_snake = []
+
+    def counted(*args):
+        out = conv_epilogue(*args)
+        with_snake.append(out is not None and len(args) == 5 and args[4] is not None)
+        return out
+
+    monkeypatch.setattr(hift_mod, "conv_epilogue", counted)
+    monkeypatch.setattr(hift_mod.Snake, "forward", lambda self, x: fused_snake(x, self.kernel_args()))
+    monkeypatch.setattr(hift_mod, "FUSED_CONV_EPILOGUE", True)
+    monkeypatch.setattr(hift_mod, "SNAKE_IN_EPILOGUE", in_epilogue)
+    mel = torch.from_numpy(np.ascontiguousarray(ref["hift_mel"]))[:, :, :24].to(device)
+    source = torch.from_numpy(np.ascontiguousarray(ref["hift_source"]))[:, :, : 24 * model.d.samples_per_frame].to(device)
+    with torch.inference_mode():
+        wav = model.decode(mel, source).cpu()
+    blocks = [m for m in model.modules() if isinstance(m, hift_mod.ResBlock)]
+    assert sum(with_snake) == (sum(len(b.convs1) for b in blocks) if in_epilogue else 0)
+    return wav
+
+
+@interpreted
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("stored_channels_last", [False, True])
+def test_snake_kernel_interpreted(shape, stored_channels_last) -> None:
+    _check_snake_kernel(shape, "cpu", stored_channels_last)
+
+
+@interpreted
+def test_snake_in_epilogue_decode_interpreted(tiny_model_dir: Path, ref: dict, monkeypatch) -> None:
+    """The decode with each residual block's second Snake in its first conv's epilogue equals the one
+    with the two kernels apart, bit for bit."""
+    model = HiFTGenerator.from_model_dir(tiny_model_dir, "cpu", torch.float32)
+    apart, together = (_decode_snake(model, f, "cpu", monkeypatch, ref) for f in (False, True))
+    assert torch.equal(apart, together)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [*SHAPES, (64, 128, 40_000)])
+@pytest.mark.parametrize("stored_channels_last", [False, True])
+def test_snake_kernel_on_gpu(shape, stored_channels_last) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    _check_snake_kernel(shape, "cuda", stored_channels_last)
+
+
+@pytest.mark.gpu
+def test_snake_in_epilogue_decode_on_gpu(tiny_model_dir: Path, ref: dict, monkeypatch) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    model = HiFTGenerator.from_model_dir(tiny_model_dir, "cuda", torch.float32)
+    assert torch.equal(_decode_snake(model, False, "cuda", monkeypatch, ref), _decode_snake(model, True, "cuda", monkeypatch, ref))
+
+
 def test_a_kernel_that_fails_is_logged_once_then_skipped(caplog) -> None:
     """LazyKernel (the LayerNorm, Snake and conv-epilogue kernels' wrapper): a build that fails is
     logged once with what falls back, returns None, and is never tried again."""

@@ -488,17 +488,27 @@ class Snake(nn.Module):
         if self.fused and x.is_cuda:
             from voxbatch.worker.cosyvoice2.snake_kernel import fused_snake
 
-            out = fused_snake(x, self._kernel_args(self.alpha))
+            out = fused_snake(x, self.kernel_args())
             if out is not None:
                 return out
         alpha = self.alpha[None, :, None]
         return x + (1.0 / (alpha + 1e-9)) * torch.sin(x * alpha).pow(2)
+
+    def kernel_args(self) -> torch.Tensor:
+        """(2, C) fp32 [alpha, 1 / (alpha + 1e-9)]: what the Snake and conv-epilogue kernels read."""
+        return self._kernel_args(self.alpha)
 
 
 # HiFT's masked convs with their bias, mask and residual add as one pass after the conv (Triton, CUDA,
 # fp32: conv_epilogue.py; bit-identical to eager). Read at every call; False keeps eager (CPU always),
 # the benchmark's A/B (`epilogue=0`).
 FUSED_CONV_EPILOGUE = True
+# A residual block's second Snake applied by its first conv's epilogue kernel (conv_epilogue's `snake`):
+# the conv's masked output goes straight into the Snake in registers instead of being written by the
+# epilogue and read back by the Snake kernel, bit for bit the two kernels' result. 36 of a decode's 72
+# Snakes (their kernel: 13% of HiFT's device time, bench/results/gpu_h100_worker26_profile.txt).
+# Bench switch `snake_epi`; off: not yet measured on a GPU.
+SNAKE_IN_EPILOGUE = False
 
 
 # HiFT's decode with its activations channels-last: each (B, C, T) activation stored (B, T, C) and each
@@ -558,18 +568,22 @@ def conv1d_any_layout(conv: nn.Conv1d | nn.ConvTranspose1d, x: torch.Tensor, bia
     return to_channels_last(y) if channels_last(y) is False else y
 
 
-def masked_conv(conv: nn.Conv1d, x: torch.Tensor, mask: torch.Tensor, skip: torch.Tensor | None = None) -> torch.Tensor:
-    """conv(x) * mask (B, C, T), plus `skip` where given (a residual block's x + ...)."""
+def masked_conv(conv: nn.Conv1d, x: torch.Tensor, mask: torch.Tensor, skip: torch.Tensor | None = None,
+                then: "Snake | None" = None) -> torch.Tensor:
+    """conv(x) * mask (B, C, T), plus `skip` where given (a residual block's x + ...), through the
+    Snake `then` where given (in the epilogue kernel with SNAKE_IN_EPILOGUE)."""
     fusable = conv.bias is not None and conv.padding_mode == "zeros" and x.dtype == torch.float32
     if FUSED_CONV_EPILOGUE and fusable and (x.is_cuda or interpreting()):  # a CPU conv folds its bias in: eager there
         y = conv1d_any_layout(conv, x, None)
-        out = conv_epilogue(y, conv.bias, mask, skip)
+        in_epilogue = SNAKE_IN_EPILOGUE and then is not None and then.fused
+        out = conv_epilogue(y, conv.bias, mask, skip, then.kernel_args() if in_epilogue else None)
         if out is not None:
-            return out
+            return out if then is None or in_epilogue else then(out)
         y = (y + conv.bias[None, :, None]) * mask  # = conv(x) * mask: torch adds a cuDNN conv's bias after the conv
     else:
         y = (conv1d_any_layout(conv, x, conv.bias) if _channels_last_here(x) and conv.padding_mode == "zeros" else conv(x)) * mask
-    return y if skip is None else skip + y
+    y = y if skip is None else skip + y
+    return y if then is None else then(y)
 
 
 class ResBlock(nn.Module):
@@ -589,8 +603,8 @@ class ResBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         for act1, conv1, act2, conv2 in zip(self.activations1, self.convs1, self.activations2, self.convs2):
-            xt = masked_conv(conv1, act1(x), mask)
-            x = masked_conv(conv2, act2(xt), mask, skip=x)  # x + conv2(...) * mask
+            xt = masked_conv(conv1, act1(x), mask, then=act2)  # act2(conv1(...) * mask)
+            x = masked_conv(conv2, xt, mask, skip=x)  # x + conv2(...) * mask
         return x
 
 

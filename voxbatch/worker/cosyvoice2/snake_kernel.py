@@ -19,9 +19,24 @@ import functools
 
 import torch
 
-from voxbatch.worker.cosyvoice2.lazy_kernel import channels_last, layout_grid, on_device, per_layout
+from voxbatch.worker.cosyvoice2.lazy_kernel import channels_last, interpreting, layout_grid, on_device, per_layout
 
 BLOCK_T = 1024  # samples per program along time
+
+
+def accurate_sin():
+    """libdevice's accurate sine for Triton kernels (Triton's own `tl.sin` where it has no libdevice): the
+    Snake here and in the conv epilogue (conv_epilogue.py) use the same one. The kernels call it as a
+    closure of their `_build`, which Triton's interpreter cannot see: interpreted (INTERPRETED), they call
+    `tl.sin` (numpy's) instead."""
+    import triton.language as tl
+
+    try:
+        from triton.language.extra import libdevice
+
+        return libdevice.sin
+    except ImportError:  # older Triton
+        return tl.sin
 
 
 @functools.cache
@@ -29,15 +44,10 @@ def _build():
     import triton
     import triton.language as tl
 
-    try:
-        from triton.language.extra import libdevice
-
-        sin = libdevice.sin
-    except ImportError:  # older Triton
-        sin = tl.sin
+    sin = accurate_sin()
 
     @triton.jit
-    def snake_kernel(x_ptr, inv_ptr, alpha_ptr, out_ptr, T, C, BLOCK: tl.constexpr):
+    def snake_kernel(x_ptr, inv_ptr, alpha_ptr, out_ptr, T, C, BLOCK: tl.constexpr, INTERPRETED: tl.constexpr):
         row = tl.program_id(0)  # one (batch, channel) row of T samples
         t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = t < T
@@ -46,18 +56,19 @@ def _build():
         alpha = tl.load(alpha_ptr + c).to(tl.float32)
         inv = tl.load(inv_ptr + c).to(tl.float32)
         x = tl.load(x_ptr + base + t, mask=ok, other=0.0).to(tl.float32)
-        s = sin(x * alpha)
+        s = tl.sin(x * alpha) if INTERPRETED else sin(x * alpha)
         tl.store(out_ptr + base + t, (x + inv * (s * s)).to(out_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def snake_kernel_channels_last(x_ptr, inv_ptr, alpha_ptr, out_ptr, T, C, BLOCK: tl.constexpr):
+    def snake_kernel_channels_last(x_ptr, inv_ptr, alpha_ptr, out_ptr, T, C, BLOCK: tl.constexpr,
+                                   INTERPRETED: tl.constexpr):
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # program (block of a row's T * C values, batch)
         ok = i < T * C
         offs = tl.program_id(1).to(tl.int64) * T * C + i
         alpha = tl.load(alpha_ptr + i % C, mask=ok, other=1.0).to(tl.float32)  # channel fastest in memory
         inv = tl.load(inv_ptr + i % C, mask=ok, other=1.0).to(tl.float32)
         x = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-        s = sin(x * alpha)
+        s = tl.sin(x * alpha) if INTERPRETED else sin(x * alpha)
         tl.store(out_ptr + offs, (x + inv * (s * s)).to(out_ptr.dtype.element_ty), mask=ok)
 
     return triton, (snake_kernel, snake_kernel_channels_last)
@@ -75,7 +86,8 @@ def fused_snake(x: torch.Tensor, alpha_inv: torch.Tensor) -> torch.Tensor | None
         out = torch.empty_like(x)  # x's strides (a dense tensor's are kept)
         if x.numel():
             with on_device(x):
-                kernel[layout_grid(triton, x.shape, cl, BLOCK_T)](x, alpha_inv[1], alpha_inv[0], out, T, C, BLOCK=BLOCK_T)
+                kernel[layout_grid(triton, x.shape, cl, BLOCK_T)](x, alpha_inv[1], alpha_inv[0], out, T, C, BLOCK=BLOCK_T,
+                                                                  INTERPRETED=interpreting())
         return out
 
     return _kernels[cl].run(launch)
