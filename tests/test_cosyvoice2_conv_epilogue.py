@@ -83,6 +83,7 @@ def _decode(model: HiFTGenerator, fused: bool, device: str, monkeypatch, ref: di
 @pytest.mark.parametrize("stored_channels_last", [False, True])
 def test_kernel_interpreted(shape, stored_channels_last) -> None:
     _check_kernel(shape, "cpu", stored_channels_last)
+    _check_snake_kernel(shape, "cpu", stored_channels_last)
 
 
 @interpreted
@@ -122,6 +123,7 @@ def test_kernel_on_gpu(shape, stored_channels_last) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     _check_kernel(shape, "cuda", stored_channels_last)
+    _check_snake_kernel(shape, "cuda", stored_channels_last)
 
 
 @pytest.mark.gpu
@@ -130,6 +132,8 @@ def test_decode_bit_identical_on_gpu(tiny_model_dir: Path, ref: dict, monkeypatc
         pytest.skip("needs a CUDA device")
     model = HiFTGenerator.from_model_dir(tiny_model_dir, "cuda", torch.float32)
     assert torch.equal(_decode(model, True, "cuda", monkeypatch, ref), _decode(model, False, "cuda", monkeypatch, ref))
+    # and with each residual block's second Snake in its first conv's epilogue (SNAKE_IN_EPILOGUE)
+    assert torch.equal(_decode_snake(model, False, "cuda", monkeypatch, ref), _decode_snake(model, True, "cuda", monkeypatch, ref))
 
 
 # -- a residual block's second Snake in its first conv's epilogue (hift.SNAKE_IN_EPILOGUE) ----------------
@@ -179,36 +183,12 @@ def _decode_snake(model: HiFTGenerator, in_epilogue: bool, device: str, monkeypa
 
 
 @interpreted
-@pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("stored_channels_last", [False, True])
-def test_snake_kernel_interpreted(shape, stored_channels_last) -> None:
-    _check_snake_kernel(shape, "cpu", stored_channels_last)
-
-
-@interpreted
 def test_snake_in_epilogue_decode_interpreted(tiny_model_dir: Path, ref: dict, monkeypatch) -> None:
     """The decode with each residual block's second Snake in its first conv's epilogue equals the one
     with the two kernels apart, bit for bit."""
     model = HiFTGenerator.from_model_dir(tiny_model_dir, "cpu", torch.float32)
     apart, together = (_decode_snake(model, f, "cpu", monkeypatch, ref) for f in (False, True))
     assert torch.equal(apart, together)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("shape", [*SHAPES, (64, 128, 40_000)])
-@pytest.mark.parametrize("stored_channels_last", [False, True])
-def test_snake_kernel_on_gpu(shape, stored_channels_last) -> None:
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    _check_snake_kernel(shape, "cuda", stored_channels_last)
-
-
-@pytest.mark.gpu
-def test_snake_in_epilogue_decode_on_gpu(tiny_model_dir: Path, ref: dict, monkeypatch) -> None:
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    model = HiFTGenerator.from_model_dir(tiny_model_dir, "cuda", torch.float32)
-    assert torch.equal(_decode_snake(model, False, "cuda", monkeypatch, ref), _decode_snake(model, True, "cuda", monkeypatch, ref))
 
 
 def test_a_kernel_that_fails_is_logged_once_then_skipped(caplog) -> None:

@@ -38,6 +38,7 @@ def _build():
     import triton
     import triton.language as tl
 
+    sin = accurate_sin()  # a closure of the kernels (the interpreter, which cannot see it, calls tl.sin)
 
     @triton.jit
     def epilogue_kernel(y_ptr, bias_ptr, mask_ptr, skip_ptr, alpha_ptr, inv_ptr, out_ptr, T, C, SKIP: tl.constexpr,
