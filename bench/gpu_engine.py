@@ -863,7 +863,7 @@ class Bench:
             close = getattr(engine.llm, "close", None)
             if close is not None:
                 close()
-            del engine
+            engine = None  # noqa: F841 - its GPU memory goes with the last reference (the closures above hold this name)
 
     # -- the shipped engine and the real worker -------------------------------------------------------------
 
