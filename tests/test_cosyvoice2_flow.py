@@ -995,9 +995,36 @@ def test_deferred_bias_stack_output_is_masked_and_whole() -> None:
     scale = max(1.0, float(want.abs().max()))  # outputs reach ~40 with these weights: fp32 rounding relative to that
     assert float((got - want * m).abs().max()) <= TIGHT_TOL * scale
     assert torch.equal(got * (1 - m), torch.zeros_like(got))
-    shifts = stack._shifts(*(b for block in stack for b in block.biases()))
-    assert shifts.shape == (2 * len(stack) + 1, 32) and torch.equal(shifts[0], torch.zeros(32))
+    shifts = stack._shifts(None, *(b for block in stack for b in block.biases()))
+    assert shifts.shape == (2 * len(stack) + 2, 32) and not shifts[:2].any()
     torch.testing.assert_close(shifts[-1], sum(b for block in stack for b in block.biases()), atol=1e-6, rtol=1e-6)
+
+
+def test_deferred_bias_takes_the_resnets_bias_as_pending() -> None:
+    """A resnet that leaves its 1x1 conv's bias to the stack after it (`defer_bias`, `pending`) gives
+    the eager resnet + stack output times the mask within TIGHT_TOL of its scale; a pending bias where
+    the stack does not defer is refused."""
+    torch.manual_seed(1)
+    resnet = flow_estimator.CausalResnetBlock1D(24, 32, 64).eval()
+    stack = flow_estimator.TransformerStack([flow_estimator.TransformerBlock(32, 2, 16) for _ in range(2)]).eval()
+    for p in [*resnet.parameters(), *stack.parameters()]:
+        p.data.normal_(0, 0.5)
+    lens, T = torch.tensor([9, 6]), 11
+    x, t_emb = torch.randn(2, T, 24), torch.randn(2, 64)
+    m = (torch.arange(T)[None, :] < lens[:, None]).float()[:, :, None]
+    mask = flow_estimator.AttentionMask(flow_estimator.attention_mask(lens, T, 0, -1), None)
+    with torch.inference_mode():
+        want, _ = stack(resnet(x, m, t_emb), mask, m)
+        with pytest.raises(ValueError, match="pending"):
+            stack(resnet(x, m, t_emb), mask, m, pending=resnet.res_conv.bias)
+        flow_estimator.DEFERRED_BIAS = True
+        try:
+            assert stack.defers(x)
+            got, masked = stack(resnet(x, m, t_emb, defer_bias=True), mask, m, pending=resnet.res_conv.bias)
+        finally:
+            flow_estimator.DEFERRED_BIAS = False
+    scale = max(1.0, float(want.abs().max()))
+    assert masked and float((got - want * m).abs().max()) <= TIGHT_TOL * scale
 
 
 @pytest.mark.gpu

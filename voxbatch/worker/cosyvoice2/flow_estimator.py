@@ -222,15 +222,20 @@ class CausalResnetBlock1D(nn.Module):
         self.block2 = CausalBlock1D(c_out, c_out)
         self.res_conv = nn.Conv1d(c_in, c_out, 1)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor, t_emb: torch.Tensor, masked: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, t_emb: torch.Tensor, masked: bool = False,
+                defer_bias: bool = False) -> torch.Tensor:
         """x (B, T, C_in), mask (B, T, 1), t_emb (B, 4c) -> (B, T, C_out); `masked`: x is already
-        zero outside the mask."""
+        zero outside the mask; `defer_bias`: the 1x1 conv's bias left out, for the transformer stack
+        that reads the output to add (`TransformerStack`'s `pending`)."""
         x = x if masked else x * mask  # read by block1 and the 1x1 conv
         if TIME_EMBEDDING_IN_NORM:
             h = self.block2(self.block1(x, mask, masked=True, row_add=self.mlp(t_emb).contiguous()), mask, masked=True)
         else:
             h = self.block1(x, mask, masked=True) + self.mlp(t_emb)[:, None, :]  # (B, T, C) + (B, 1, C)
             h = self.block2(h, mask)
+        if defer_bias:  # h is block2's own output: accumulate the 1x1 conv into it (cuBLAS's beta=1)
+            h.view(-1, h.size(-1)).addmm_(x.reshape(-1, x.size(-1)), self.res_conv.weight[:, :, 0].t())
+            return h
         return h + F.linear(x, self.res_conv.weight[:, :, 0], self.res_conv.bias)  # 1x1 conv
 
 
@@ -333,9 +338,11 @@ class TransformerBlock(nn.Module):
         flat.addmm_(hidden.reshape(flat.size(0), -1), self.ff.net[2].weight.t())
 
 
-def _cumulative(*biases: torch.Tensor) -> torch.Tensor:
-    """(n, C) biases -> (n + 1, C): row i the sum of the first i, summed in fp32, in the biases' dtype."""
-    rows = torch.stack(biases).float().cumsum(0)
+def _cumulative(first: torch.Tensor | None, *biases: torch.Tensor) -> torch.Tensor:
+    """`first` (C,) or None (zeros) and n biases (C,) -> (n + 2, C): row 0 zeros, row i > 0 the sum of
+    `first` and the first i - 1 biases, summed in fp32, in the biases' dtype."""
+    first = torch.zeros_like(biases[0]) if first is None else first
+    rows = torch.stack([first, *biases]).float().cumsum(0)
     return torch.cat([rows.new_zeros(1, rows.size(1)), rows]).to(biases[0].dtype)
 
 
@@ -344,22 +351,31 @@ class TransformerStack(nn.ModuleList):
 
     def __init__(self, blocks: list[TransformerBlock]):
         super().__init__(blocks)
-        self._shifts = DerivedWeight(_cumulative)  # (2n + 1, C): the biases before each half-block
+        self._shifts = DerivedWeight(_cumulative)  # (2n + 2, C): the biases before each half-block
 
-    def forward(self, h: torch.Tensor, mask: AttentionMask, m: torch.Tensor) -> tuple[torch.Tensor, bool]:
-        """h (B, T', C), m (B, T', 1) -> (output, whether it is already zero outside m).
+    def defers(self, h: torch.Tensor) -> bool:
+        """Whether `forward` runs h as a stream with deferred biases (DEFERRED_BIAS, no autocast or
+        autograd): then the resnet before may hand over its last bias as `pending`."""
+        return DEFERRED_BIAS and len(self) > 0 and not torch.is_autocast_enabled(h.device.type) and not torch.is_grad_enabled()
+
+    def forward(self, h: torch.Tensor, mask: AttentionMask, m: torch.Tensor,
+                pending: torch.Tensor | None = None) -> tuple[torch.Tensor, bool]:
+        """h (B, T', C), m (B, T', 1) -> (output, whether it is already zero outside m). `pending` (C,):
+        a bias h still lacks (only where `defers(h)`).
 
         With DEFERRED_BIAS, h is the stream: written in place (callers hand over a tensor nothing
         else reads), its biases added once at the end, masked."""
-        if not DEFERRED_BIAS or not len(self) or torch.is_autocast_enabled(h.device.type) or torch.is_grad_enabled():
+        if not self.defers(h):
+            if pending is not None:
+                raise ValueError("transformer stack: a pending bias only where the stack defers biases")
             for block in self:
                 h = block(h, mask)
             return h, False
-        shifts = self._shifts(*(b for block in self for b in block.biases()))
+        shifts = self._shifts(pending, *(b for block in self for b in block.biases()))  # row 1: the pending bias
         if shifts.dtype != h.dtype:
             raise TypeError(f"transformer stack: activations in {h.dtype}, weights in {shifts.dtype}")
         for i, block in enumerate(self):
-            block.accumulate(h, mask, shifts[2 * i], shifts[2 * i + 1])
+            block.accumulate(h, mask, shifts[2 * i + 1], shifts[2 * i + 2])
         return h.add_(shifts[-1]).mul_(m), True
 
 
@@ -422,16 +438,23 @@ class CausalConditionalDecoder(nn.Module):
 
         # `masked`: h is already zero outside m (a TransformerStack's output), so its readers skip the multiply.
         skips, masked = [], False
+        def level(resnet: CausalResnetBlock1D, layers: TransformerStack, h: torch.Tensor, masked: bool):
+            """A resnet and its transformer stack; with deferred biases the resnet's last one goes
+            to the stack as `pending`."""
+            defer = layers.defers(h)
+            out = resnet(h, m, t_emb, masked, defer_bias=defer)
+            return layers(out, attn_mask, m, pending=resnet.res_conv.bias if defer else None)
+
         for resnet, layers, down in self.down_blocks:
-            h, masked = layers(resnet(h, m, t_emb), attn_mask, m)
+            h, masked = level(resnet, layers, h, masked)
             skips.append((h, masked))
             h, masked = down(h if masked else h * m), False
         for resnet, layers in self.mid_blocks:
-            h, masked = layers(resnet(h, m, t_emb, masked), attn_mask, m)
+            h, masked = level(resnet, layers, h, masked)
         for resnet, layers, up in self.up_blocks:
             skip, skip_masked = skips.pop()
             h = torch.cat([h[:, : skip.size(1)], skip], dim=2)  # (B, T', 2c)
-            h, masked = layers(resnet(h, m, t_emb, masked and skip_masked), attn_mask, m)
+            h, masked = level(resnet, layers, h, masked and skip_masked)
             h = up(h if masked else h * m)
         h = self.final_block(h, m)  # mish(LN(.)) * m: already zero outside m
         out = F.linear(h, self.final_proj.weight[:, :, 0], self.final_proj.bias) * m  # (B, T', 80)
