@@ -108,8 +108,9 @@ FUSED_KERNELS = True
 # 246.8x vs 216.4x, gpu_h200_worker7.json).
 PACKED_PREFILL = True
 # The decode step's rotary embedding of q and k and its writes of k and v into the cache as one Triton
-# kernel per layer (rope_kernel.py) instead of ~12 small ones, bit for bit eager's in fp16/bf16 (the
-# kernels it replaces are ~19% of a 256-row step's device time, bench/results/gpu_h100_worker26_profile.txt).
+# kernel per layer (rope_kernel.py) instead of 12 small ones (bench/results/kernel_census.json, `rope=1`),
+# bit for bit eager's in fp16/bf16 (small kernels of those kinds are ~19% of a 256-row step's device time,
+# bench/results/gpu_h100_worker26_profile.txt).
 # Bench switch `rope`; off: not yet measured on a GPU.
 FUSED_DECODE_ROPE = False
 

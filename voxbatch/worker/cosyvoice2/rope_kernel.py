@@ -3,9 +3,11 @@
 A decode step is one token per row, so each layer's attention input is tiny (B rows of (H + 2 KVH)
 heads of 64), and eager PyTorch spends a kernel per operation on it: rotate-half is a negation, a
 concatenation, two products and a sum, for q and again for k, then two indexed writes of k and v into
-the cache. In the 256-row decode step's profile those small kernels (`elementwise_kernel`,
-`CatArrayBatchedCopy`, `index_elementwise_kernel`) are ~19% of the step's device time
-(bench/results/gpu_h100_worker26_profile.txt, "decode_step_graphs"). Here one program per (row, head)
+the cache. In the 256-row decode step's profile the kinds of small kernel these are
+(`elementwise_kernel`, `CatArrayBatchedCopy`, `index_elementwise_kernel`; not all of them this
+rotation's and these writes') take ~19% of the step's device time
+(bench/results/gpu_h100_worker26_profile.txt, "decode_step_graphs"); per layer the kernel replaces 12
+launches with one (bench/results/kernel_census.json, `rope=1`). Here one program per (row, head)
 reads its head once: q heads are rotated into a (B, H, 1, hd) output, k heads rotated and v heads copied
 straight into the cache at the row's position.
 
