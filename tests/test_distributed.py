@@ -225,9 +225,13 @@ def test_task_delivered_twice_while_the_job_runs_is_not_rendered_twice(cluster, 
 
     book = corpora.long_book(tmp_path / "long.txt", chapters=2, sentences=60)
     port = services.free_port()
-    # Slow enough that the rest of the job is still rendering when the duplicates (skipped, not rendered,
-    # so the RTF does not slow them) have run: at 0.03 a busy CI machine once saw the job end first.
-    worker = cluster.start("worker", extra_env={"VOXBATCH_METRICS_PORT": str(port), "VOXBATCH_TONE_RTF": "0.08"})
+    # The rest of the job must still be rendering when the duplicates (skipped, not rendered) have run.
+    # The worker takes every task at once (a budget of 256 segments) and its engine renders 4 segments
+    # at a time, slowly: the duplicates are received and skipped at once, with most of the job's
+    # batches still to render. (With the tone engine's 64-segment batches the job sometimes ended first
+    # on a busy CI machine, at a tone RTF of 0.03 and again at 0.08.)
+    worker = cluster.start("worker", extra_env={"VOXBATCH_METRICS_PORT": str(port), "VOXBATCH_TONE_RTF": "0.08",
+                                                "VOXBATCH_ENGINE_MAX_BATCH": "4", "VOXBATCH_WORKER_INFLIGHT_SEGMENTS": "256"})
     cluster.start("assembler")
     job_id = cluster.submit(book)
     spec = cluster.spec(job_id)
