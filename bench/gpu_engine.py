@@ -424,6 +424,21 @@ def parse_run(spec: str, switches: bool = False) -> dict[str, str]:
     return out
 
 
+# What the parts stage's flow and HiFT calls read: --parts-ab takes switches of these modules only (the
+# LLM alone runs once, shipped), so a spec that would change nothing there is refused, not timed as if it had.
+PARTS_MODULES = ("flow", "flow_estimator", "flow_encoder", "hift", "engine", "flash_varlen")
+PARTS_EXCLUDED = ("DECODE_FA3",)  # flash_varlen's LLM switch
+
+
+def check_parts_spec(spec: str) -> None:
+    """A --parts-ab spec: bench switches that act on flow or HiFT (SystemExit naming the one that does not)."""
+    for key in parse_run(spec, switches=True):
+        module, attr, _ = SWITCHES.get(key, ("", "", None))
+        if module.rsplit(".", 1)[-1] not in PARTS_MODULES or attr in PARTS_EXCLUDED:
+            raise SystemExit(f"--parts-ab {spec!r}: {key} is not a flow or HiFT switch, and the parts stage times only "
+                             "flow and HiFT per variant (use --worker-ab)")
+
+
 def vllm_run(spec: str) -> dict:
     """A --vllm-runs spec ('shipped', or 'process=0,async=1,vgraphs=1024') -> VllmOptions keywords,
     read through Settings as a worker reads them (the same types, bounds and defaults)."""
@@ -1496,8 +1511,10 @@ def main() -> None:
     if unknown:
         ap.error(f"unknown stage(s) {', '.join(unknown)}; stages are {', '.join(STAGES)}")
     try:  # every spec checked before any stage runs; a bad one is a usage error (exit 2)
-        for spec in args.engine_runs + args.worker_ab + args.parts_ab:
+        for spec in args.engine_runs + args.worker_ab:
             parse_run(spec, switches=True)
+        for spec in args.parts_ab:
+            check_parts_spec(spec)
         for spec in (args.worker_run, args.invariance_run):
             parse_run(spec)
         for spec in args.vllm_runs:

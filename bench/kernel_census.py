@@ -24,6 +24,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # before anything imports Triton: the kern
 import argparse  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
+import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from collections import Counter  # noqa: E402
@@ -148,7 +149,7 @@ def main() -> None:
         ap.error(str(e))
     r = census(args.ab, tiny=args.tiny)
     result = {"bench": "kernel_census", "commit": commit(), "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "command": " ".join(["python -m bench.kernel_census", *os.sys.argv[1:]]),
+              "command": " ".join(["python -m bench.kernel_census", *sys.argv[1:]]),
               "shapes": {"estimator": {"rows": ROWS, "frames": FRAMES,
                                        "model": "the fixture's sizes" if args.tiny else "CosyVoice2-0.5B sizes, random weights"},
                          "encoder": {"rows": ROWS, "tokens": TOKENS}, "HiFT decode": {"rows": 1, "mel_frames": HIFT_FRAMES},

@@ -79,6 +79,12 @@ def test_every_stage_runs_on_cpu_and_the_result_has_a_headline(tmp_path, tiny_mo
     assert host["python_loop_ns"] > 0 and host["torch_cpu_op_us"] > 0 and host["cuda_launch_us"] is None
 
 
+def test_parts_ab_of_a_switch_the_parts_stage_does_not_vary_is_an_error(tmp_path):
+    """The parts stage times flow and HiFT per variant: an LLM switch there would be timed as if it mattered."""
+    out = bench(tmp_path, "--tiny", "--device", "cpu", "--stages", "parts", "--parts-ab", "rope=1", timeout=120)
+    assert out.returncode == 2 and "rope is not a flow or HiFT switch" in out.stderr
+
+
 def test_repeated_engine_configuration_is_an_error(tmp_path):
     out = bench(tmp_path, "--tiny", "--device", "cpu", "--stages", "engine", "--engine-runs", "task=2", "task=2", timeout=120)
     assert out.returncode == 2 and "--engine-repeats" in out.stderr

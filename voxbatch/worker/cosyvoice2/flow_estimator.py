@@ -339,11 +339,10 @@ class TransformerBlock(nn.Module):
 
 
 def _cumulative(first: torch.Tensor | None, *biases: torch.Tensor) -> torch.Tensor:
-    """`first` (C,) or None (zeros) and n biases (C,) -> (n + 2, C): row 0 zeros, row i > 0 the sum of
-    `first` and the first i - 1 biases, summed in fp32, in the biases' dtype."""
+    """`first` (C,) or None (zeros) and n biases (C,) -> (n + 1, C): row i the sum of `first` and the
+    first i biases, summed in fp32, in the biases' dtype."""
     first = torch.zeros_like(biases[0]) if first is None else first
-    rows = torch.stack([first, *biases]).float().cumsum(0)
-    return torch.cat([rows.new_zeros(1, rows.size(1)), rows]).to(biases[0].dtype)
+    return torch.stack([first, *biases]).float().cumsum(0).to(biases[0].dtype)
 
 
 class TransformerStack(nn.ModuleList):
@@ -351,7 +350,7 @@ class TransformerStack(nn.ModuleList):
 
     def __init__(self, blocks: list[TransformerBlock]):
         super().__init__(blocks)
-        self._shifts = DerivedWeight(_cumulative)  # (2n + 2, C): the biases before each half-block
+        self._shifts = DerivedWeight(_cumulative)  # (2n + 1, C): the biases before each half-block, then all
 
     def defers(self, h: torch.Tensor) -> bool:
         """Whether `forward` runs h as a stream with deferred biases (DEFERRED_BIAS, no autocast or
@@ -371,11 +370,11 @@ class TransformerStack(nn.ModuleList):
             for block in self:
                 h = block(h, mask)
             return h, False
-        shifts = self._shifts(pending, *(b for block in self for b in block.biases()))  # row 1: the pending bias
+        shifts = self._shifts(pending, *(b for block in self for b in block.biases()))  # row 0: the pending bias
         if shifts.dtype != h.dtype:
             raise TypeError(f"transformer stack: activations in {h.dtype}, weights in {shifts.dtype}")
         for i, block in enumerate(self):
-            block.accumulate(h, mask, shifts[2 * i + 1], shifts[2 * i + 2])
+            block.accumulate(h, mask, shifts[2 * i], shifts[2 * i + 1])
         return h.add_(shifts[-1]).mul_(m), True
 
 

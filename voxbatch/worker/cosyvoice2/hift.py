@@ -41,8 +41,7 @@ from voxbatch.worker.cosyvoice2 import cuda_graphs
 from voxbatch.worker.cosyvoice2.conv_epilogue import conv_epilogue
 from voxbatch.worker.cosyvoice2.derived import DerivedWeight
 from voxbatch.worker.cosyvoice2.h2d import host_lengths, split_lengths, to_device
-from voxbatch.worker.cosyvoice2.lazy_kernel import interpreting
-from voxbatch.worker.cosyvoice2.lazy_kernel import channels_last
+from voxbatch.worker.cosyvoice2.lazy_kernel import channels_last, interpreting
 from voxbatch.worker.cosyvoice2.checkpoint import ModelDirError, check_keys, empty_init, load_state_dict, read_config, section
 
 log = logging.getLogger(__name__)
