@@ -16,7 +16,9 @@ import re
 import sys
 from pathlib import Path
 
-HIFT_SWITCHES = {"hift_cl", "snake_epi", "epilogue", "source", "draws", "f0_graphs", "phase_graphs", "f0_quantum"}
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a file on the device: the repo's bench package
+from bench.switches import SWITCHES, parse_switches  # noqa: E402
+
 # The GPU tests that check each switch's arithmetic (a FAILED or ERROR line in one of them rules it out).
 TESTS = {
     "resid": ("test_cosyvoice2_flow.py", "test_cosyvoice2_norm.py"),
@@ -30,7 +32,12 @@ TESTS = {
 
 
 def keys_of(spec: str) -> dict[str, str]:
-    return dict(kv.split("=", 1) for kv in spec.split(","))
+    return parse_switches(spec)
+
+
+def part_of(keys: dict[str, str]) -> str:
+    """The part a variant changes: HiFT when every switch it sets lives in hift.py, else the flow."""
+    return "hift" if all(SWITCHES[k][0].endswith(".hift") for k in keys) else "flow"
 
 
 def failed_files(tests_txt: str) -> set[str] | None:
@@ -50,7 +57,7 @@ def winners(parts: dict, tests_txt: str) -> dict[str, str]:
         if spec == "shipped":
             continue
         keys = keys_of(spec)
-        part = "hift" if set(keys) <= HIFT_SWITCHES else "flow"
+        part = part_of(keys)
         tested = failed is not None and all(k in TESTS and not failed & set(TESTS[k]) for k in keys)
         if tested and max(v[f"reps_{part}_s"]) < min(shipped[f"reps_{part}_s"]):
             won[spec] = min(v[f"reps_{part}_s"])
