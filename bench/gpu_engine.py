@@ -1022,6 +1022,9 @@ class Bench:
         # The worker logs when its engine admits, decodes and vocodes (voxbatch/worker/timeline.py): each
         # job's result gets its first admission / decode / audio beside the GPU utilisation samples.
         env = {**self.engine_env(run), "VOXBATCH_TIMELINE_LOG": "true"}
+        trace_dir = self.tmp / f"gpu_trace{tag}" if a.worker_trace and not tag else None  # the first worker only
+        if trace_dir is not None:
+            env["VOXBATCH_GPU_TRACE_DIR"] = str(trace_dir)
         switches = worker_env(run, os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
         harness = WorkerHarness(self.tmp, {**env, **switches}, a.redis_server)
         runs = {}
@@ -1077,16 +1080,59 @@ class Bench:
                       f"done {res['done']}, failed {res['failed']}", flush=True)
                 if res["failed"]:
                     raise RuntimeError(f"worker run with tasks of {size}: {res['failed']} segments failed: {res['errors']}")
+            if trace_dir is not None:
+                runs["traced"] = self._traced_job(harness, corpus, sizes[0], trace_dir)
         finally:
             harness.close()
             if harness.log.exists():
                 a.out.mkdir(parents=True, exist_ok=True)
                 shutil.copy(harness.log, a.out / f"{a.name}{tag}_worker.log")
+        traced = runs.pop("traced", None)
         first = runs[f"tasks_of_{sizes[0]}"]
         for k, r in runs.items():
             r["of_first_pct"] = round(100 * r["x_realtime"] / first["x_realtime"], 1)
-        return {"runs": runs, "worker_ready_s": round(ready_s, 1), "warm_job": warm_job,
+        return {"runs": runs, **({"traced_job": traced} if traced else {}), "worker_ready_s": round(ready_s, 1), "warm_job": warm_job,
                 "env": {k: v for k, v in {**env, **switches}.items() if k not in ("VOXBATCH_MODEL_DIR", "VOXBATCH_STORAGE_URL", "PYTHONPATH")}}
+
+    def _traced_job(self, harness, corpus: Path, size: int, folder: Path) -> dict:
+        """One more job of `corpus` in tasks of `size`, the worker tracing its GPU from just before the
+        submit to the job's end (voxbatch/worker/gpu_trace.py): the summary of the job's idle gaps, each
+        of the longest with the worker's timeline events around it. The trace slows the job: its
+        x_realtime is recorded beside the summary, never as a figure of the worker."""
+        from voxbatch.worker import gpu_trace, timeline
+
+        a = self.args
+        (folder / gpu_trace.SUMMARY).unlink(missing_ok=True)
+        (folder / gpu_trace.START).write_text("")
+        deadline = time.monotonic() + 10
+        while (folder / gpu_trace.START).exists():  # the worker has taken it: tracing
+            if time.monotonic() > deadline:
+                raise RuntimeError("the worker did not start its GPU trace (VOXBATCH_GPU_TRACE_DIR)")
+            time.sleep(0.01)
+        res = harness.wait(harness.submit(corpus, "bench", size, self.official_dir()), a.worker_timeout_s)
+        stop = folder / (gpu_trace.STOP + ".tmp")
+        stop.write_text(json.dumps({"window_unix": [res["created_at"], res["finished_at"]]}))
+        os.replace(stop, folder / gpu_trace.STOP)
+        deadline = time.monotonic() + 300
+        while not (folder / gpu_trace.SUMMARY).exists():
+            if time.monotonic() > deadline:
+                raise RuntimeError("the worker wrote no GPU trace summary within 300 s")
+            time.sleep(0.2)
+        summary = json.loads((folder / gpu_trace.SUMMARY).read_text())
+        events = timeline.read(harness.log.read_text(errors="replace").splitlines(), res["created_at"], res["finished_at"])
+        for gap in summary.get("largest_gaps", []):
+            at = gap["unix"] - res["created_at"]  # the timeline's seconds since the job's creation
+            gap["timeline"] = [f"{e} {n} @{1000 * (t - at):+.0f}ms" for t, e, n in events
+                               if e != "gil" and at - 0.1 <= t <= at + gap["ms"] / 1000 + 0.02][:12]
+        wall = res["finished_at"] - res["created_at"]
+        out = {**res, "task_size": size, "wall_s": round(wall, 3), "x_realtime": round(res["audio_s"] / wall, 1),
+               "gpu_trace": summary}
+        a.out.mkdir(parents=True, exist_ok=True)
+        (a.out / f"{a.name}_gpu_trace.txt").write_text("\n".join(gpu_trace_lines(out, a.name)) + "\n")
+        print(f"  traced job (tasks of {size}; the trace slows it): {out['x_realtime']}x, traced GPU busy "
+              f"{summary.get('gpu_busy_pct')}%, idle {summary.get('idle_ms')} ms by cause {summary.get('idle_ms_by_cause')}"
+              f"{' ERROR ' + summary['error'] if 'error' in summary else ''}", flush=True)
+        return out
 
     def render_stage(self) -> dict:
         """`voxbatch render` as a user runs it (its own process, `--json`) over the bench corpus written as
@@ -1323,6 +1369,27 @@ class Bench:
 # -- report -------------------------------------------------------------------------------------------------------
 
 
+def gpu_trace_lines(traced: dict, name: str) -> list[str]:
+    """The traced job's GPU idle time as a text table: by cause, by gap size, then the longest gaps with
+    the thread that ended each and the worker's timeline events around it."""
+    g = traced["gpu_trace"]
+    if "error" in g:
+        return [f"# GPU trace of the {name} worker: failed: {g['error']}"]
+    lines = [f"# GPU trace of one tasks-of-{traced['task_size']} job in the {name} worker (torch profiler, CUDA activities; "
+             f"the trace slows the job: {traced['x_realtime']}x)",
+             f"window {g['window_s']} s, GPU busy {g['gpu_busy_pct']}%, idle {g['idle_ms']} ms; {g['gpu_events']} GPU events, "
+             f"{g['launches']} launches, {g['host_ops']} host ops; reduced in {g.get('reduce_s')} s",
+             "", "idle ms by cause: " + ", ".join(f"{k} {v}" for k, v in g["idle_ms_by_cause"].items()),
+             "idle ms by gap size: " + ", ".join(f"{k} {v}" for k, v in g["idle_ms_by_gap_size"].items()), "",
+             "| at s | ms | cause | ended by | launch late ms | launcher's op | threads at its start | timeline around it |",
+             "|---|---|---|---|---|---|---|---|"]
+    for gap in g["largest_gaps"]:
+        threads = "; ".join(f"{t}: {op}" for t, op in gap["threads_at_start"].items())
+        lines.append(f"| {gap['at_s']} | {gap['ms']} | {gap['cause']} | {(gap['ended_by'] or '')[:60]} | {gap['launch_late_ms']} "
+                     f"| {gap['launcher_op']} | {threads} | {', '.join(gap.get('timeline', []))} |")
+    return lines
+
+
 def _util(summary: dict | None) -> str:
     return ", ".join(f"{gpu} {u['mean_pct']}" for gpu, u in sorted(summary.items())) if summary else "-"
 
@@ -1481,6 +1548,9 @@ def main() -> None:
                     help="worker stage: sample the worker with this py-spy binary (GIL holders) over each measured job's start")
     ap.add_argument("--pyspy-seconds", type=float, default=1.5,
                     help="--pyspy-job-start samples until this long after `voxbatch submit` returned")
+    ap.add_argument("--worker-trace", action="store_true",
+                    help="worker stage: after the measured jobs, one more job of the first task size under a torch-profiler "
+                         "trace in the worker, reduced to its GPU idle gaps and who caused them (voxbatch/worker/gpu_trace.py)")
     ap.add_argument("--worker-warm-segments", type=int, default=32,
                     help="worker stage: segments of the warm job before the measured ones (first flow shapes, allocator)")
     ap.add_argument("--redis-server", default=None, help="redis-server binary for the worker stage (default: PATH)")

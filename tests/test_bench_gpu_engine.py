@@ -22,7 +22,7 @@ SMALL = ["--tiny", "--device", "cpu", "--segments", "4", "--max-s", "3", "--llm-
          "--baseline-segments", "1",
          "--worker-run", "rows=4,flow=2,task=2", "--worker-task-sizes", "4", "2", "--engine-runs", "rows=4,flow=2,task=2",
          "--invariance-run", "rows=4,flow=2,task=2", "--invariance-segments", "4", "--invariance-probes", "2", "--budget-s", "3000",
-         "--parts-ab", "resid=1"]
+         "--parts-ab", "resid=1", "--worker-trace"]
 
 
 def bench(tmp_path: Path, *args: str, timeout: int = 1500) -> subprocess.CompletedProcess:
@@ -60,6 +60,11 @@ def test_every_stage_runs_on_cpu_and_the_result_has_a_headline(tmp_path, tiny_mo
         assert tl["gil_wait_us_mean"] is not None and tl["gil_wait_us_max"] >= tl["gil_wait_us_p90"] >= 0
         assert 0 < tl["vocode_host_share_pct"] <= 101
     assert h["x_realtime"] == worker["tasks_of_4"]["x_realtime"] and h["baseline_x_realtime"] > 0
+    # --worker-trace: one more job, traced in the worker (a CPU has no GPU events: all of it idle)
+    traced = r["stages"]["worker"]["traced_job"]
+    assert traced["done"] == h["segments"] and "error" not in traced["gpu_trace"]
+    assert traced["gpu_trace"]["host_ops"] > 0 and traced["gpu_trace"]["gpu_busy_pct"] == 0.0
+    assert "GPU trace of one tasks-of-4 job" in (tmp_path / "gpu_engine_gpu_trace.txt").read_text()
     (engine,) = r["stages"]["engine"]["runs"].values()
     assert engine["stored"] == r["corpus"]["segments"] and engine["failed"] == 0
     parts = r["stages"]["parts"]["variants"]  # the shipped form and --parts-ab's switch, each timed

@@ -132,6 +132,10 @@ class Settings(BaseSettings):
     # the GIL (10 lines a second). For finding where a job's GPU time goes; the GPU benchmark's
     # worker stage turns it on.
     timeline_log: bool = False
+    # A folder through which the GPU benchmark asks this worker for a torch-profiler trace of one job,
+    # reduced to where the GPU sat idle and which thread kept it waiting (voxbatch/worker/gpu_trace.py).
+    # Empty: off. A diagnostic: the trace slows the job it covers.
+    gpu_trace_dir: str = ""
 
     # Failure handling: a segment is retried this many times in all before it is recorded failed.
     # Only errors of the segment itself (the engine failed on it) count; outages never do.

@@ -81,6 +81,10 @@ def serve(gpu: str | None, concurrency: int | None, queues: str | None, hostname
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = load_settings()
     timeline.configure(settings.timeline_log)
+    if settings.gpu_trace_dir:
+        from voxbatch.worker import gpu_trace
+
+        gpu_trace.watch(settings.gpu_trace_dir)
     log.info("worker for GPU %s: CUDA_VISIBLE_DEVICES=%s", gpu, os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>"))
     configure_celery(settings)
     engine = build_engine(settings)
