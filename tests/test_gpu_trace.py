@@ -46,3 +46,11 @@ def test_the_window_clips_the_trace_and_an_idle_end_is_its_own_cause():
 def test_an_empty_trace_is_all_idle():
     s = summarise([], {}, (0.0, 3 * MS))
     assert s["gpu_busy_pct"] == 0.0 and s["largest_gaps"][0]["ms"] == 3.0
+
+
+def test_runtime_events_under_another_thread_id_are_charged_to_the_thread_whose_ops_hold_them():
+    rows = [Row("gpu", "k1", 0, 1 * MS, 7, 1), Row("gpu", "k2", 3 * MS, 4 * MS, 7, 2),
+            Row("api", "cudaLaunchKernel", 2 * MS, 2.1 * MS, 555, 2),  # CUPTI's id for thread 101
+            Row("op", "aten::mm", 1.9 * MS, 2.2 * MS, 101, 0)]
+    s = summarise(rows, {101: "engine"}, (0.0, 4 * MS))
+    assert s["idle_ms_by_cause"] == {"host_late: engine": 2.0}

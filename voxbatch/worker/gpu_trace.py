@@ -89,6 +89,22 @@ class _Outer:
         return rows[i].name if i >= 0 and rows[i].end_us > t_us else None
 
 
+def _api_threads(api: list[Row], outer: _Outer, sample: int = 2000) -> dict[int, int]:
+    """The thread id the CUDA runtime events carry -> the native id the torch ops carry, where they
+    differ (CUPTI may report another id for the same thread): a launch happens inside one of its
+    thread's torch ops, so each runtime id goes to the thread whose ops cover most of its launches."""
+    by_id: dict[int, list[float]] = defaultdict(list)
+    for r in api:
+        if r.where not in outer.by_thread and len(by_id[r.where]) < sample:
+            by_id[r.where].append(r.start_us)
+    out = {}
+    for rid, starts in by_id.items():
+        votes = {t: sum(1 for t_us in starts if outer.at(t, t_us) is not None) for t in outer.by_thread}
+        if votes and max(votes.values()) > 0:
+            out[rid] = max(votes, key=votes.get)
+    return out
+
+
 def summarise(rows: list[Row], threads: dict[int, str], window_us: tuple[float, float]) -> dict:
     """Where the GPU sat idle within `window_us` (unix microseconds) and who kept it waiting.
 
@@ -99,8 +115,9 @@ def summarise(rows: list[Row], threads: dict[int, str], window_us: tuple[float, 
     a copy: `queued`)."""
     lo, hi = window_us
     gpu = [r for r in rows if r.kind == "gpu" and r.end_us > lo and r.start_us < hi]
-    launches = {r.link: r for r in rows if r.kind == "api" and r.link}
     outer = _Outer([r for r in rows if r.kind == "op"])
+    same = _api_threads([r for r in rows if r.kind == "api"], outer)
+    launches = {r.link: r._replace(where=same.get(r.where, r.where)) for r in rows if r.kind == "api" and r.link}
     name = lambda tid: threads.get(tid, f"thread {tid}")  # noqa: E731
     busy = _busy(gpu)
     clipped = [(max(a, lo), min(b, hi)) for a, b in busy]
