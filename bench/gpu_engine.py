@@ -1109,6 +1109,7 @@ class Bench:
             if time.monotonic() > deadline:
                 raise RuntimeError("the worker did not start its GPU trace (VOXBATCH_GPU_TRACE_DIR)")
             time.sleep(0.01)
+        time.sleep(gpu_trace.WARMUP_S)  # the profiler's first seconds record no device events
         res = harness.wait(harness.submit(corpus, "bench", size, self.official_dir()), a.worker_timeout_s)
         stop = folder / (gpu_trace.STOP + ".tmp")
         stop.write_text(json.dumps({"window_unix": [res["created_at"], res["finished_at"]]}))
@@ -1381,6 +1382,9 @@ def gpu_trace_lines(traced: dict, name: str) -> list[str]:
              f"{g['launches']} launches, {g['host_ops']} host ops; reduced in {g.get('reduce_s')} s",
              "", "idle ms by cause: " + ", ".join(f"{k} {v}" for k, v in g["idle_ms_by_cause"].items()),
              "idle ms by gap size: " + ", ".join(f"{k} {v}" for k, v in g["idle_ms_by_gap_size"].items()), "",
+             "CUDA runtime ms by call: " + ", ".join(f"{k} {v['ms']} ({v['calls']})" for k, v in g.get("api_ms_by_name", {}).items()),
+             "slowest calls: " + ", ".join(f"{c['name']} {c['ms']} ms at {c['at_s']} s ({c['thread']})" for c in g.get("slowest_api_calls", [])),
+             "",
              "| at s | ms | cause | ended by | launch late ms | launcher's op | threads at its start | timeline around it |",
              "|---|---|---|---|---|---|---|---|"]
     for gap in g["largest_gaps"]:

@@ -30,6 +30,9 @@ def test_failed_gpu_tests_rule_out_what_they_check():
     tests = "FAILED tests/test_cosyvoice2_norm.py::test_kernel_on_gpu - AssertionError\n1 failed, 11 passed in 9s\n"
     assert pick.winners(parts, tests) == {"snake_epi": "1"}
     assert pick.winners(parts, "collection error, no summary") == {}  # tests that did not run prove nothing
+    # failures the summary counts but no FAILED line names (pytest without -rf) clear no file
+    unnamed = "SKIPPED [1] tests/test_cosyvoice2_flow.py:385: no flow.pt\n6 failed, 54 passed, 6 skipped in 65.55s (0:01:05)\n"
+    assert pick.winners(parts, unnamed) == {}
 
 
 def test_a_losing_combination_keeps_the_best_single():

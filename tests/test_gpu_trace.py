@@ -54,3 +54,14 @@ def test_runtime_events_under_another_thread_id_are_charged_to_the_thread_whose_
             Row("op", "aten::mm", 1.9 * MS, 2.2 * MS, 101, 0)]
     s = summarise(rows, {101: "engine"}, (0.0, 4 * MS))
     assert s["idle_ms_by_cause"] == {"host_late: engine": 2.0}
+
+
+def test_runtime_calls_are_totalled_by_name_and_the_slowest_listed():
+    rows = [Row("gpu", "k", 0, 1 * MS, 7, 1),
+            Row("api", "cudaLaunchKernel", 0.1 * MS, 0.105 * MS, 101, 1),
+            Row("api", "cudaMalloc", 2 * MS, 42 * MS, 101, 2),
+            Row("api", "cudaMalloc", 50 * MS, 51 * MS, 101, 3)]
+    s = summarise(rows, {101: "flow-hift-1"}, (0.0, 60 * MS))
+    assert s["api_ms_by_name"]["cudaMalloc"] == {"calls": 2, "ms": 41.0}
+    assert list(s["api_ms_by_name"]) == ["cudaMalloc", "cudaLaunchKernel"]
+    assert s["slowest_api_calls"][0] == {"at_s": 0.002, "ms": 40.0, "name": "cudaMalloc", "thread": "flow-hift-1"}

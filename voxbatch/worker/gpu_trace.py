@@ -35,6 +35,11 @@ START, STOP, SUMMARY = "start", "stop", "gpu_trace.json"
 POLL_S = 0.02
 GAP_MIN_US = 100.0  # idle stretches shorter than this are counted, not described
 LARGEST = 25  # gaps described one by one, the longest first
+SLOWEST_API = 15  # CUDA runtime calls listed one by one (and names totalled), the slowest first
+# How long the benchmark lets a trace run before it submits the job: in the first trace
+# (bench/results/gpu_h100_worker35.json, traced_job) the device's events began 2.1 s after the
+# profiler started although decode and flow ran from ~0.3 s; the job's start was lost.
+WARMUP_S = 3.0
 GAP_SIZES_US = ((100.0, "0.1-1 ms"), (1000.0, "1-10 ms"), (10000.0, ">= 10 ms"))
 
 
@@ -159,6 +164,14 @@ def summarise(rows: list[Row], threads: dict[int, str], window_us: tuple[float, 
                 "threads_at_start": {name(t): op for t in sorted(outer.by_thread) if (op := outer.at(t, gap_start))},
             })
     described.sort(key=lambda g: -g["ms"])
+    # The CUDA runtime calls of the window by name, and the slowest ones: a cudaMalloc/cudaFree or a
+    # synchronize that holds a thread (and the allocator's lock) shows here, not as a launch.
+    api = [r._replace(where=same.get(r.where, r.where)) for r in rows if r.kind == "api" and r.end_us > lo and r.start_us < hi]
+    by_api: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for r in api:
+        by_api[r.name][0] += 1
+        by_api[r.name][1] += r.end_us - r.start_us
+    slowest = sorted(api, key=lambda r: r.start_us - r.end_us)[:SLOWEST_API]
     window = hi - lo
     return {
         "window_s": round(window / 1e6, 3),
@@ -169,6 +182,10 @@ def summarise(rows: list[Row], threads: dict[int, str], window_us: tuple[float, 
         "idle_ms_by_cause": {k: round(v / 1e3, 1) for k, v in sorted(by_cause.items(), key=lambda kv: -kv[1])},
         "gaps_over_0.1ms": len(described),
         "largest_gaps": described[:LARGEST],
+        "api_ms_by_name": {k: {"calls": int(n), "ms": round(us / 1e3, 1)}
+                           for k, (n, us) in sorted(by_api.items(), key=lambda kv: -kv[1][1])[:SLOWEST_API]},
+        "slowest_api_calls": [{"at_s": round((r.start_us - lo) / 1e6, 4), "ms": round((r.end_us - r.start_us) / 1e3, 3),
+                               "name": r.name, "thread": name(r.where)} for r in slowest],
     }
 
 
