@@ -1382,6 +1382,8 @@ def gpu_trace_lines(traced: dict, name: str) -> list[str]:
              f"{g['launches']} launches, {g['host_ops']} host ops; reduced in {g.get('reduce_s')} s",
              "", "idle ms by cause: " + ", ".join(f"{k} {v}" for k, v in g["idle_ms_by_cause"].items()),
              "idle ms by gap size: " + ", ".join(f"{k} {v}" for k, v in g["idle_ms_by_gap_size"].items()), "",
+             "idle ms a thread was late for, by the op it launched from: "
+             + ", ".join(f"{k} {v}" for k, v in g.get("host_late_ms_by_op", {}).items()),
              "CUDA runtime ms by call: " + ", ".join(f"{k} {v['ms']} ({v['calls']})" for k, v in g.get("api_ms_by_name", {}).items()),
              "slowest calls: " + ", ".join(f"{c['name']} {c['ms']} ms at {c['at_s']} s ({c['thread']})" for c in g.get("slowest_api_calls", [])),
              "",

@@ -33,6 +33,7 @@ def test_gaps_are_charged_to_the_late_launcher_or_to_queued_work():
     assert first["launcher_op"] == "aten::index_select"  # the outermost op, not the one nested in it
     assert first["threads_at_start"] == {"flow-hift-0": "aten::index_select", "engine": "aten::copy_"}
     assert (second["ms"], second["cause"], second["ended_by"]) == (1.0, "queued", "decode_mlp")
+    assert s["host_late_ms_by_op"] == {"flow-hift-0: aten::index_select": 4.0}
 
 
 def test_the_window_clips_the_trace_and_an_idle_end_is_its_own_cause():

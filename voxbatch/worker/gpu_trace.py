@@ -140,6 +140,7 @@ def summarise(rows: list[Row], threads: dict[int, str], window_us: tuple[float, 
         gaps.append((prev, hi, None))
     by_size: dict[str, float] = defaultdict(float)
     by_cause: dict[str, float] = defaultdict(float)
+    by_op: dict[str, float] = defaultdict(float)
     described = []
     for gap_start, gap_end, row in gaps:
         us = gap_end - gap_start
@@ -154,6 +155,9 @@ def summarise(rows: list[Row], threads: dict[int, str], window_us: tuple[float, 
         else:
             cause = "queued"
         by_cause[cause] += us
+        if launch is not None and cause.startswith("host_late"):
+            # Which op each thread was late in, small gaps included: the eager work that is launch-bound.
+            by_op[f"{name(launch.where)}: {outer.at(launch.where, launch.start_us) or launch.name}"] += us
         if us >= GAP_MIN_US:
             described.append({
                 "at_s": round((gap_start - lo) / 1e6, 4), "unix": round(gap_start / 1e6, 4), "ms": round(us / 1e3, 3),
@@ -180,6 +184,7 @@ def summarise(rows: list[Row], threads: dict[int, str], window_us: tuple[float, 
         "idle_ms": round((window - busy_us) / 1e3, 1),
         "idle_ms_by_gap_size": {k: round(v / 1e3, 1) for k, v in sorted(by_size.items())},
         "idle_ms_by_cause": {k: round(v / 1e3, 1) for k, v in sorted(by_cause.items(), key=lambda kv: -kv[1])},
+        "host_late_ms_by_op": {k: round(v / 1e3, 1) for k, v in sorted(by_op.items(), key=lambda kv: -kv[1])[:SLOWEST_API]},
         "gaps_over_0.1ms": len(described),
         "largest_gaps": described[:LARGEST],
         "api_ms_by_name": {k: {"calls": int(n), "ms": round(us / 1e3, 1)}
