@@ -12,6 +12,7 @@ kit=.gpu
 if [ "${1:-}" = "--src" ]; then
   rm -rf "$kit/src" && mkdir -p "$kit/src" && git archive HEAD | tar -x -C "$kit/src" --exclude=bench/results
   git rev-parse HEAD > "$kit/src/bench/COMMIT"
+  cp bench/h200/run.sh bench/h200/switch_lease.sh "$kit/"
   exit 0
 fi
 mkdir -p "$kit/whl" "$kit/bin/lib" "$kit/src"
@@ -35,7 +36,7 @@ if [ ! -f "$kit/fa3.tar.xz" ]; then
   tar cf - -C "$fa3tmp" vllm | xz -9 -T4 > "$kit/fa3.tar.xz"
   rm -rf "$fa3tmp"
 fi
-cp bench/h200/run.sh "$kit/run.sh"
+cp bench/h200/run.sh bench/h200/switch_lease.sh "$kit/"
 rm -rf "$kit/src" && mkdir -p "$kit/src" && git archive HEAD | tar -x -C "$kit/src" --exclude=bench/results
 git rev-parse HEAD > "$kit/src/bench/COMMIT"  # the commit measured (the copy has no .git)
 # The fixture's small files the benchmark's official folder borrows (yaml, tokenizer, voice front-end ONNX),
