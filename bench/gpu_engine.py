@@ -1035,9 +1035,7 @@ class Bench:
             job = harness.submit(warm, "bench", sizes[0], self.official_dir())
             print(f"  warm job {job} submitted in {time.perf_counter() - t:.1f}s", flush=True)
             res = harness.wait(job, min(a.worker_timeout_s, 180))
-            wall = res["finished_at"] - res["created_at"]
-            warm_job = {**res, "task_size": sizes[0], "wall_s": round(wall, 3),
-                        "x_realtime": round(res["audio_s"] / wall, 1)}
+            warm_job = worker_job(res, sizes[0])
             print(f"  warm job done after {time.perf_counter() - t:.1f}s ({warm_job['x_realtime']}x realtime: the "
                   "worker's first job, one-time costs included)", flush=True)
             try:  # the worker is idle between jobs: this process has the GPU
@@ -1060,10 +1058,9 @@ class Bench:
                     res["pyspy_job_start"] = spy.finish(a.out / f"{a.name}{tag}_pyspy_job_start_tasks_of_{size}.txt",
                                                         f"py-spy --gil of the worker from before `voxbatch submit` to "
                                                         f"{a.pyspy_seconds} s after it returned, tasks-of-{size} job ({a.name})")
-                wall = res["finished_at"] - res["created_at"]
+                res = worker_job(res, size)
                 busy = util.summary(window=(res["created_at"], res["finished_at"]), raw=True)
-                res.update(task_size=size, wall_s=round(wall, 3), x_realtime=round(res["audio_s"] / wall, 1),
-                           submit_to_done_s=round(t1 - t0, 3), x_realtime_incl_submit=round(res["audio_s"] / (t1 - t0), 1),
+                res.update(submit_to_done_s=round(t1 - t0, 3), x_realtime_incl_submit=round(res["audio_s"] / (t1 - t0), 1),
                            gpu_utilisation=busy, gpu_busy_pct=busy_pct(busy))
                 if lag and lag["lag_s"]:  # the same readings, the window moved by the measured lag
                     shifted = (res["created_at"] + lag["lag_s"], res["finished_at"] + lag["lag_s"])
@@ -1073,7 +1070,7 @@ class Bench:
                 res.update(busy_by_llm_phase(util, res["created_at"], res["finished_at"], res["timeline"]["last_llm_done_s"],
                                              lag["lag_s"] if lag and lag["lag_s"] else 0.0))
                 runs[f"tasks_of_{size}"] = res
-                print(f"  worker tasks of {size}: {res['x_realtime']:.1f}x realtime, wall {wall:.1f}s, "
+                print(f"  worker tasks of {size}: {res['x_realtime']:.1f}x realtime, wall {res['wall_s']:.1f}s, "
                       f"GPU busy {res['gpu_busy_pct']}% ({res.get('gpu_busy_pct_lag_aligned')}% lag-aligned; "
                       f"{res.get('gpu_busy_pct_vocoder_tail')}% over the {res.get('vocoder_tail_s')} s after the LLM's last row, "
                       f"{res['timeline']['vocode_paired_starts']} paired batch starts), "
@@ -1125,9 +1122,7 @@ class Bench:
             at = gap["unix"] - res["created_at"]  # the timeline's seconds since the job's creation
             gap["timeline"] = [f"{e} {n} @{1000 * (t - at):+.0f}ms" for t, e, n in events
                                if e != "gil" and at - 0.1 <= t <= at + gap["ms"] / 1000 + 0.02][:12]
-        wall = res["finished_at"] - res["created_at"]
-        out = {**res, "task_size": size, "wall_s": round(wall, 3), "x_realtime": round(res["audio_s"] / wall, 1),
-               "gpu_trace": summary}
+        out = {**worker_job(res, size), "gpu_trace": summary}
         a.out.mkdir(parents=True, exist_ok=True)
         (a.out / f"{a.name}_gpu_trace.txt").write_text("\n".join(gpu_trace_lines(out, a.name)) + "\n")
         print(f"  traced job (tasks of {size}; the trace slows it): {out['x_realtime']}x, traced GPU busy "
@@ -1368,6 +1363,13 @@ class Bench:
 
 
 # -- report -------------------------------------------------------------------------------------------------------
+
+
+def worker_job(res: dict, size: int) -> dict:
+    """A worker job's record (WorkerHarness.wait) with its task size, wall time (job created -> last
+    segment stored) and real-time factor."""
+    wall = res["finished_at"] - res["created_at"]
+    return {**res, "task_size": size, "wall_s": round(wall, 3), "x_realtime": round(res["audio_s"] / wall, 1)}
 
 
 def gpu_trace_lines(traced: dict, name: str) -> list[str]:

@@ -35,7 +35,7 @@ if [ $left -gt 150 ]; then
     --worker-warm-segments 500 --worker-trace "${ab[@]}" --budget-s 60 --name "${name}_worker" | tail -12
 fi
 cd "$out" || exit 1
-mv p/gpu_tests.txt "${name}_parts_gpu_tests.txt"
+[ -f p/gpu_tests.txt ] && mv p/gpu_tests.txt "${name}_parts_gpu_tests.txt"
 for f in p/"${name}"_parts.json p/"${name}"_parts.md w/"${name}"_worker.json w/"${name}"_worker.md w/"${name}"_worker_gpu_trace.txt; do
   [ -f "$f" ] && mv "$f" .
 done

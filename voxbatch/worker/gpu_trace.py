@@ -40,6 +40,9 @@ SLOWEST_API = 15  # CUDA runtime calls listed one by one (and names totalled), t
 # (bench/results/gpu_h100_worker35.json, traced_job) the device's events began 2.1 s after the
 # profiler started although decode and flow ran from ~0.3 s; the job's start was lost.
 WARMUP_S = 3.0
+# A trace whose `stop` never comes (the benchmark died) ends here: the profiler's buffers grow with
+# every kernel (~1M a job), so the worker must not record without bound.
+MAX_TRACE_S = 600.0
 GAP_SIZES_US = ((100.0, "0.1-1 ms"), (1000.0, "1-10 ms"), (10000.0, ">= 10 ms"))
 
 
@@ -121,8 +124,10 @@ def summarise(rows: list[Row], threads: dict[int, str], window_us: tuple[float, 
     lo, hi = window_us
     gpu = [r for r in rows if r.kind == "gpu" and r.end_us > lo and r.start_us < hi]
     outer = _Outer([r for r in rows if r.kind == "op"])
-    same = _api_threads([r for r in rows if r.kind == "api"], outer)
-    launches = {r.link: r._replace(where=same.get(r.where, r.where)) for r in rows if r.kind == "api" and r.link}
+    raw_api = [r for r in rows if r.kind == "api"]
+    same = _api_threads(raw_api, outer)
+    api_all = [r._replace(where=same[r.where]) if r.where in same else r for r in raw_api]  # the torch ops' thread ids
+    launches = {r.link: r for r in api_all if r.link}
     name = lambda tid: threads.get(tid, f"thread {tid}")  # noqa: E731
     busy = _busy(gpu)
     clipped = [(max(a, lo), min(b, hi)) for a, b in busy]
@@ -170,7 +175,7 @@ def summarise(rows: list[Row], threads: dict[int, str], window_us: tuple[float, 
     described.sort(key=lambda g: -g["ms"])
     # The CUDA runtime calls of the window by name, and the slowest ones: a cudaMalloc/cudaFree or a
     # synchronize that holds a thread (and the allocator's lock) shows here, not as a launch.
-    api = [r._replace(where=same.get(r.where, r.where)) for r in rows if r.kind == "api" and r.end_us > lo and r.start_us < hi]
+    api = [r for r in api_all if r.end_us > lo and r.start_us < hi]
     by_api: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     for r in api:
         by_api[r.name][0] += 1
@@ -223,13 +228,14 @@ def _trace_once(folder: Path) -> None:
     prof = profile(activities=activities, experimental_config=config)
     began = time.time()
     prof.start()
-    while not (folder / STOP).exists():
+    deadline = time.monotonic() + MAX_TRACE_S
+    while not (folder / STOP).exists() and time.monotonic() < deadline:
         time.sleep(POLL_S)
     ended = time.time()
     prof.stop()
     try:
         window = json.loads((folder / STOP).read_text() or "{}").get("window_unix") or (began, ended)
-    except (ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError):  # no stop file (MAX_TRACE_S), or not the bench's JSON
         window = (began, ended)
     reduce_began = time.perf_counter()
     threads = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
@@ -250,7 +256,7 @@ def _watch(folder: Path) -> None:
     while True:
         while not (folder / START).exists():
             time.sleep(POLL_S)
-        (folder / START).unlink()
+        (folder / START).unlink(missing_ok=True)
         try:
             _trace_once(folder)
         except Exception as e:  # noqa: BLE001 - a diagnostic: its failure is reported, the worker goes on
