@@ -48,6 +48,14 @@ def flow(model_dir: Path) -> CausalFlow:
     return CausalFlow.from_model_dir(model_dir, "cpu", torch.float32)
 
 
+def _skip_without_flow_pt(model_dir: Path) -> None:
+    """GPU tests of the fixture's flow skip where its flow.pt is absent: the device kit carries the fixture
+    without it (bench/h200/make_kit.sh). Failing there instead ruled out every flow switch in
+    bench/h200/pick_parts.py (gpu_h100_s36_parts_gpu_tests.txt)."""
+    if not (model_dir / "flow.pt").exists():
+        pytest.skip("the fixture's flow.pt is not here")
+
+
 def _t(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(a))
 
@@ -226,6 +234,7 @@ def test_reduced_precision_on_gpu(
     """
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
+    _skip_without_flow_pt(model_dir)
     flow = CausalFlow.from_model_dir(model_dir, "cuda", dtype)
     for prefix, kw, key in [
         ("flow", {}, "flow_mel"),
@@ -373,8 +382,7 @@ def gpu_estimators(request) -> tuple[CausalConditionalDecoder, CausalConditional
         pytest.skip("needs a CUDA device")
     if request.param == "fixture":
         model_dir = request.getfixturevalue("model_dir")
-        if not (model_dir / "flow.pt").exists():  # the device kit carries the fixture without flow.pt (bench/h200/make_kit.sh)
-            pytest.skip("the fixture's flow.pt is not here")
+        _skip_without_flow_pt(model_dir)
         est = CausalFlow.from_model_dir(model_dir, "cpu", torch.float32).decoder.estimator
     else:
         torch.manual_seed(0)

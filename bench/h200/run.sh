@@ -24,7 +24,9 @@ python3 -c "import voxbatch.cli, voxbatch.worker.main, voxbatch.worker.tasks, py
 ../bin/redis.sh --version || exit 5
 # GPU_TESTS="tests/a.py tests/b.py": those tests first, on this GPU (output in $OUT/gpu_tests.txt).
 if [ -n "${GPU_TESTS:-}" ]; then
-  timeout ${GPU_TESTS_TIMEOUT:-240} python3 -m pytest -q -rfEs -p no:cacheprovider $GPU_TESTS 2>&1 | tail -60 | tee "$OUT/gpu_tests.txt"
+  # The whole output comes back (a failure's message too: tail -60 kept only the last one's); the log shows its end.
+  timeout ${GPU_TESTS_TIMEOUT:-240} python3 -m pytest -q -rfEs -p no:cacheprovider $GPU_TESTS > "$OUT/gpu_tests.txt" 2>&1
+  tail -60 "$OUT/gpu_tests.txt"
 fi
 # PYSPY=1: sample every Python thread of the bench and its worker processes (py-spy attached from
 # outside, waits included) into $OUT/pyspy.txt (collapsed stacks per thread), to see where the CPU side

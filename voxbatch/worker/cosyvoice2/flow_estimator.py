@@ -71,15 +71,16 @@ GELU_EPILOGUE = True
 # block (1,120 of the 1,268 `vectorized_elementwise_kernel` calls per 128-row flow batch, 133 ms of its
 # 1.84 s on an H100, bench/results/gpu_h100_worker26_profile.txt) and, the output being masked, the
 # mask multiplies of the resnets and convs that read it. The sums are rounded in another order than
-# eager's (the tests hold it to eager within their tolerances). Bench switch `resid`; off: not yet
-# measured on a GPU.
-DEFERRED_BIAS = False
+# eager's (the tests hold it to eager within their tolerances). Bench switch `resid`. On: with `temb`
+# the flow batch 0.945 of eager's time on an H100 (bench/results/gpu_h100_s36_parts.json; GPU tests
+# passed there), and the worker 1.076 / 1.092 with the five stop-33 switches (gpu_h100_worker35ab*.json).
+DEFERRED_BIAS = True
 # A resnet's time embedding added inside its first block's LayerNorm kernel, before the mask
 # ((mish(LN(conv(x))) + mlp(t)[b]) * mask, `fused_layer_norm(row_add=)`), so its second block reads
 # an input already masked: the broadcast add and the mask multiply of every resnet (28 of a U-Net pass's
-# elementwise kernels) go. The sum is rounded once instead of twice. Bench switch `temb`; off: not yet
-# measured on a GPU.
-TIME_EMBEDDING_IN_NORM = False
+# elementwise kernels) go. The sum is rounded once instead of twice. Bench switch `temb`; on (measured with
+# `resid`, above).
+TIME_EMBEDDING_IN_NORM = True
 _EPILOGUE_DEVICES = ("cuda",)  # where the epilogue runs (a test opens CPU, whose kernel is the exact GELU)
 _EPILOGUE_DTYPES = (torch.float16, torch.bfloat16)
 
