@@ -23,6 +23,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from voxbatch.worker import timeline
 from voxbatch.worker.cosyvoice2 import flash_varlen, flow_encoder, flow_estimator
 from voxbatch.worker.cosyvoice2 import flow as flow_module
 from voxbatch.worker.cosyvoice2.checkpoint import ModelDirError, read_config
@@ -753,9 +754,10 @@ def test_cached_step_graphs_plumbing_on_cpu(flow: CausalFlow, monkeypatch) -> No
     """The cached-graph path on CPU with a stand-in graph that runs the captured step eagerly on the
     buffers it was captured on: a first batch captures its shape's graph after one eager step, a second
     batch of other values and lengths but the same padded shape replays it for every step from its own
-    copied-in inputs, and each mel is its eager mel (frames padded to the quantum change nothing
-    beyond rounding; a replay on the first batch's inputs would miss by the mel's size). Another shape
-    gets a graph of its own, and the cache keeps GRAPH_CACHE_SIZE graphs."""
+    copied-in inputs, and each mel is its eager mel, one per row asked for (frames and rows padded to
+    their quanta change nothing beyond rounding; a replay on the first batch's inputs would miss by the
+    mel's size). Another shape gets a graph of its own, and the cache keeps GRAPH_CACHE_SIZE graphs.
+    Each batch is one timeline event, a capture or a hit."""
     cfm = flow.decoder
     replays, captures = [], []
     capture = _eager_graph_capture(replays, captures)
@@ -770,12 +772,15 @@ def test_cached_step_graphs_plumbing_on_cpu(flow: CausalFlow, monkeypatch) -> No
         monkeypatch.setattr(flow_module, "STEP_GRAPH_CACHE", True)
         monkeypatch.setattr(flow_module, "GRAPH_CACHE_SIZE", 1)
         cached = []
-        for i, (_, mask, mu, _, spks, cond) in enumerate(batches):
-            replays.clear()
-            cached.append(cfm(mu, mask, spks, cond))
-            assert len(replays) == flow_module.N_TIMESTEPS - (0 if i == 1 else 1), i  # batch 1 hits batch 0's graph
-    q = flow_module.GRAPH_FRAME_QUANTUM
-    assert captures == [(3, 80, q * -(-40 // q)), (2, 80, q * -(-70 // q))]
+        with timeline.recording() as lines:
+            for i, (_, mask, mu, _, spks, cond) in enumerate(batches):
+                replays.clear()
+                cached.append(cfm(mu, mask, spks, cond))
+                assert len(replays) == flow_module.N_TIMESTEPS - (0 if i == 1 else 1), i  # batch 1 hits batch 0's graph
+    s = timeline.summary(timeline.read(lines, 0, float("inf")))
+    assert (s["flow_graph_capture_events"], s["flow_graph_hit_events"]) == (2, 1)
+    q, r = flow_module.GRAPH_FRAME_QUANTUM, flow_module.GRAPH_ROW_QUANTUM
+    assert captures == [(r * -(-3 // r), 80, q * -(-40 // q)), (r * -(-2 // r), 80, q * -(-70 // q))]
     assert len(slot["cache"]) == 1
     for (_, mask, *_rest), got, want in zip(batches, cached, eager):
         valid = mask.bool().expand(-1, 80, -1)

@@ -45,6 +45,10 @@ GC_EVENTS = ("gc1", "gc2")  # count = the pause in milliseconds
 # and the engine's item for each) and to place them in cache rows (checks and prefill launches): no
 # decode step is launched meanwhile, so at a job's start these are GPU time lost.
 LLM_HOST_EVENTS = ("llm_admit_ms", "llm_place_ms")
+# A flow batch that replayed a step graph kept for its shape, or captured one (flow.STEP_GRAPH_CACHE;
+# count = the batch's rows as run): how often the cache pays, since a capture costs the host an eager
+# step and a capture while the GPU may sit idle.
+FLOW_GRAPH_EVENTS = ("flow_graph_hit", "flow_graph_capture")
 GC1_MIN_MS = 2.0
 GIL_PROBE_S = 0.005  # the probe's sleep (200 wake-ups a second)
 GIL_WINDOW_S = 0.1  # one `gil` event per this long
@@ -151,7 +155,7 @@ def summary(events: list[tuple[float, str, int]]) -> dict[str, float | int | Non
     wall = sum(n for _, e, n in events if e == "vocode_ms")
     return {**{f"first_{name}_s": t for name, t in first.items()},
             "last_llm_done_s": round(done[-1], 3) if done else None,  # from here on only flow/HiFT run
-            **{f"{name}_events": sum(1 for _, e, _ in events if e == name) for name in EVENTS + GC_EVENTS},
+            **{f"{name}_events": sum(1 for _, e, _ in events if e == name) for name in EVENTS + GC_EVENTS + FLOW_GRAPH_EVENTS},
             "gc_pause_ms": sum(pauses), "gc_longest_ms": max(pauses, default=0),
             "gil_wait_us_mean": round(sum(gil) / len(gil)) if gil else None,
             "gil_wait_us_p90": gil[int(0.9 * (len(gil) - 1))] if gil else None,

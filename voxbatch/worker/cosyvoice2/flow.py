@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from voxbatch.worker import timeline
 from voxbatch.worker.cosyvoice2 import cuda_graphs
 from voxbatch.worker.cosyvoice2.checkpoint import ModelDirError, check_keys, empty_init, load_state_dict, read_config, section
 from voxbatch.worker.cosyvoice2.flow_encoder import EncoderDims, UpsampleConformerEncoder, length_mask
@@ -83,8 +84,13 @@ _per_thread = threading.local()  # capture stream and memory pool per (thread, d
 # share unchanged at 99% in the worker (bench/results/gpu_h200_worker18.json): a vocoder thread's
 # host time is the GPU's backpressure (its launch queue full while another batch holds the SMs), not
 # its Python, on that host; GPU tests passed (gpu_h200_worker18_gpu_tests.txt). Bench switch `gcache`.
+# Rows are padded too (GRAPH_ROW_QUANTUM, copies of the batch's last row, dropped after): the worker's
+# batch sizes vary from job to job with the pipeline's timing (tail batches [20, 5, 47, 74, 63, 48, 22]
+# and [21, 5, 47, 75, 65, 39, 22] in two jobs of bench/results/gpu_h100_s36c_worker.json), so exact
+# row counts rarely recur. The timeline counts each batch as `flow_graph_hit` or `flow_graph_capture`.
 STEP_GRAPH_CACHE = False
 GRAPH_FRAME_QUANTUM = 32  # mel frames; padding per batch < this (<5% at the corpus' ~700-frame rows)
+GRAPH_ROW_QUANTUM = 8  # rows; 1 keeps the batch's own row count
 GRAPH_CACHE_SIZE = 24  # graphs kept per vocoder thread and device, least recently used dropped first
 
 # Fixed by the official code, not the yaml.
@@ -178,6 +184,9 @@ class ConditionalFlowMatching(nn.Module):
             raise ValueError(f"flow: {T} mel frames requested; the fixed noise covers {NOISE_FRAMES}")
         if T > T_out:  # masked frames up to the quantum: a cached graph's shape
             mu, mask, cond = (F.pad(a, (0, T - T_out)) for a in (mu, mask, cond))
+        B_out, B = B, (-(-B // GRAPH_ROW_QUANTUM) * GRAPH_ROW_QUANTUM if cached else B)
+        if B > B_out:  # rows up to the quantum: copies of the last row, computed and dropped
+            mu, mask, cond, spks = (torch.cat([a, a[-1:].expand(B - B_out, *a.shape[1:])]) for a in (mu, mask, cond, spks))
         x = self.noise[:, :, :T].to(mu.device, torch.float32).expand(B, -1, -1)  # (B, 80, T), same slice per row
         t_span = cosine_t_span(n_steps, mu.device)
         # The guided (rows :B) and unconditional (rows B:) branches as one batch of 2B.
@@ -188,7 +197,7 @@ class ConditionalFlowMatching(nn.Module):
         times, steps = euler_schedule(t_span)
         branches = (mask_in, mu_in, spks_in, cond_in)
         if cached:
-            return _CachedStep.run(self, x, branches, times, steps)[:, :, :T_out]
+            return _CachedStep.run(self, x, branches, times, steps)[:B_out, :, :T_out]
         x = x.clone()  # the ODE state, updated in place: (B, 80, T) fp32
         graph = None
         if EULER_CAPTURE_FIRST and not _capture_first_failed and n_steps > 1 and _capturable(x) and _StepGraph.warm(x.device):
@@ -200,6 +209,7 @@ class ConditionalFlowMatching(nn.Module):
             self._step(x, times[k], steps[k], branches, streaming)
             if k == 0 and n_steps > 2 and _capturable(x):
                 graph = _StepGraph.capture(self, x, times[k], steps[k], branches, streaming)
+                timeline.event("flow_graph_capture", B)
         return x[:, :, :T_out]
 
     def _step(self, x: torch.Tensor, t: torch.Tensor, dt: torch.Tensor, branches: tuple, streaming: bool) -> None:
@@ -292,6 +302,7 @@ class _CachedStep:
             x, own = x0.clone(), tuple(b.clone() for b in branches)
             cfm._step(x, times[0], steps[0], own, False)  # builds lazy kernels, plans and workspaces first
             graph = _StepGraph.capture(cfm, x, times[0], steps[0], own, False, keep=False)
+            timeline.event("flow_graph_capture", x0.size(0))
             if graph is None:  # graphs are off now: the rest of this ODE eagerly
                 for k in range(1, len(times)):
                     cfm._step(x, times[k], steps[k], own, False)
@@ -303,6 +314,7 @@ class _CachedStep:
             first = 1
         else:
             slot["cache"].move_to_end(key)
+            timeline.event("flow_graph_hit", x0.size(0))
             entry.x.copy_(x0)
             for mine, given in zip(entry.branches, branches):
                 mine.copy_(given)
