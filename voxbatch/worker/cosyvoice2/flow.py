@@ -88,6 +88,10 @@ _per_thread = threading.local()  # capture stream and memory pool per (thread, d
 # batch sizes vary from job to job with the pipeline's timing (tail batches [20, 5, 47, 74, 63, 48, 22]
 # and [21, 5, 47, 75, 65, 39, 22] in two jobs of bench/results/gpu_h100_s36c_worker.json), so exact
 # row counts rarely recur. The timeline counts each batch as `flow_graph_hit` or `flow_graph_capture`.
+# Still off: in the worker on an H100 it kept the GPU busier (94.7 / 93.0% vs 92.2 / 91.2 / 89.2%) but
+# ran slower, 312.1x / 316.4x vs 344.4x / 330.4x / 326.4x (B/A 0.942), with 5 and 3 hits of 13 batches:
+# the padded rows and frames are work the GPU does for nothing (bench/results/gpu_h100_s36d_worker.json,
+# A B A B A; its GPU test passed, gpu_h100_s36d_gpu_tests.txt).
 STEP_GRAPH_CACHE = False
 GRAPH_FRAME_QUANTUM = 32  # mel frames; padding per batch < this (<5% at the corpus' ~700-frame rows)
 GRAPH_ROW_QUANTUM = 8  # rows; 1 keeps the batch's own row count
