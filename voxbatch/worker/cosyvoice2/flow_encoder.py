@@ -41,7 +41,9 @@ NUM_UP_BLOCKS = 4
 # time on an H100 (bench/results/gpu_h100_worker26_profile.txt). Here the position term is written
 # once (into rows padded to 16 elements, the alignment the fused kernels want of a mask) and read
 # once. Streaming (chunk masks, where a padding query may see no key) keeps the eager form. Bench
-# switch `enc_sdpa`; off: not yet measured on a GPU.
+# switch `enc_sdpa`. Off: the flow batch 0.969 / 0.965 of eager's time alone on an H100 (gpu_h100_parts35,
+# gpu_h100_s36_parts: one of two timings lost there), but with `snake_epi` the worker ran 1.004 of the
+# shipped one's speed over two rounds, inside its spread (bench/results/gpu_h100_s36c_worker.json).
 ENCODER_SDPA = False
 MASK_ALIGN = 16  # elements: row stride of the additive mask
 

@@ -506,7 +506,9 @@ FUSED_CONV_EPILOGUE = True
 # the conv's masked output goes straight into the Snake in registers instead of being written by the
 # epilogue and read back by the Snake kernel, bit for bit the two kernels' result. 36 of a decode's 72
 # Snakes (their kernel: 13% of HiFT's device time, bench/results/gpu_h100_worker26_profile.txt).
-# Bench switch `snake_epi`; off: not yet measured on a GPU.
+# Bench switch `snake_epi`. Off: HiFT's batches 0.935 of the two-kernel form's time alone on an H100
+# (gpu_h100_parts35.json; one of two timings lost in gpu_h100_s36_parts.json), and with `enc_sdpa` the
+# worker 1.004 of the shipped one's speed, inside its spread (bench/results/gpu_h100_s36c_worker.json).
 SNAKE_IN_EPILOGUE = False
 
 
