@@ -848,9 +848,12 @@ class Bench:
                         audio += sum(len(w) for w in wavs) / engine.sample_rate
                     return flow_s, hift_s, audio
 
-            for run in variants.values():  # warm every variant's kernels and allocations first
-                with switched(run):
-                    engine.vocode(batches[len(batches) // 2])
+            # Every variant once over every batch before the timed passes: each batch shape's kernels,
+            # plans and allocations (one middle batch each left the first pass of every variant slow:
+            # shipped flow 7.082 then 6.949 s, HiFT 2.274 then 1.971 s in bench/results/gpu_h100_s36_parts.json,
+            # and pick_parts.py needs both passes to win).
+            for run in variants.values():
+                measure(run)
             runs: dict[str, list[tuple[float, float, float]]] = defaultdict(list)
             for _ in range(2):  # interleaved A/B/C, twice; the faster of the two counts
                 for name, run in variants.items():

@@ -21,7 +21,8 @@ tests="tests/test_cosyvoice2_channels_last.py tests/test_cosyvoice2_conv_epilogu
 tests/test_cosyvoice2_norm.py::test_kernel_on_gpu tests/test_cosyvoice2_flow.py tests/test_cosyvoice2_llm.py
 tests/test_cosyvoice2_rope_kernel.py -m gpu"
 mkdir -p "$out/p" "$out/w"
-# Stage 1-2: the tests (up to 100 s) and the parts stage (~150 s on an H100 for seven variants).
+# Stage 1-2: the tests (up to 100 s) and the parts stage (~150 s on an H100 for seven variants before
+# each variant got an unmeasured pass of its own; ~9 s more a variant since).
 OUT=$out/p GPU_TESTS=$tests GPU_TESTS_TIMEOUT=100 BENCH_TIMEOUT=$((limit / 2)) bash "$kit/run.sh" --stages parts \
   --worker-run task=16 --parts-ab "$@" --budget-s 100 --name "${name}_parts" | tail -30
 spec=$(python3 "$kit/src/bench/h200/pick_parts.py" "$out/p" "${name}_parts")
