@@ -788,6 +788,33 @@ def test_cached_step_graphs_plumbing_on_cpu(flow: CausalFlow, monkeypatch) -> No
         assert float((got - want)[valid].abs().max()) <= BATCH_TOL
 
 
+def test_cache_takes_only_batches_up_to_its_row_limit(flow: CausalFlow, monkeypatch) -> None:
+    """With GRAPH_CACHE_MAX_ROWS, a batch of more rows takes the per-batch graph (captured at its own
+    shape, nothing cached, a capture event), one within it the cache (rows padded to the quantum); both
+    give their eager mel, one per row asked for."""
+    cfm = flow.decoder
+    replays, captures = [], []
+    capture = _eager_graph_capture(replays, captures)
+    slot = {"cache": flow_module.OrderedDict()}
+    big, small = _estimator_inputs([40, 33, 7], seed=1), _estimator_inputs([35, 20], seed=2)
+    with torch.inference_mode():
+        eager = [cfm(mu, mask, spks, cond) for _, mask, mu, _, spks, cond in (big, small)]
+        monkeypatch.setattr(flow_module, "_capturable", lambda x: True)
+        monkeypatch.setattr(flow_module._StepGraph, "capture", staticmethod(capture))
+        monkeypatch.setattr(flow_module, "_slot", lambda device: slot)
+        monkeypatch.setattr(flow_module, "STEP_GRAPH_CACHE", True)
+        monkeypatch.setattr(flow_module, "GRAPH_CACHE_MAX_ROWS", 2)
+        with timeline.recording() as lines:
+            got = [cfm(mu, mask, spks, cond) for _, mask, mu, _, spks, cond in (big, small)]
+    r, q = flow_module.GRAPH_ROW_QUANTUM, flow_module.GRAPH_FRAME_QUANTUM
+    assert captures == [(3, 80, 40), (r * -(-2 // r), 80, q * -(-35 // q))]
+    assert len(slot["cache"]) == 1
+    assert timeline.summary(timeline.read(lines, 0, float("inf")))["flow_graph_capture_events"] == 2
+    for (_, mask, *_rest), out, want in zip((big, small), got, eager):
+        assert out.shape == want.shape
+        assert float((out - want)[mask.bool().expand(-1, 80, -1)].abs().max()) <= BATCH_TOL
+
+
 def test_cached_step_graph_of_another_module_is_not_replayed(flow: CausalFlow, monkeypatch) -> None:
     """A cached graph is keyed by its module's id, which a later module may get once the first is
     freed: an entry whose module is not the caller is dropped and the step captured anew (replaying it

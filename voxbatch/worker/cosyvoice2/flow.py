@@ -95,6 +95,11 @@ _per_thread = threading.local()  # capture stream and memory pool per (thread, d
 STEP_GRAPH_CACHE = False
 GRAPH_FRAME_QUANTUM = 32  # mel frames; padding per batch < this (<5% at the corpus' ~700-frame rows)
 GRAPH_ROW_QUANTUM = 8  # rows; 1 keeps the batch's own row count
+# Batches of more rows than this take the per-batch graph instead of the cache. Why: padding cost the
+# big batches most of what s36d lost (75 -> 80 rows, 50 -> 56), while the gaps the cache is for come
+# from small ones, whose eager first step is too short to cover their capture's host time; a small
+# batch's padding is a few rows. Not measured yet (bench switch `gcache_max`, with `gcache=1`).
+GRAPH_CACHE_MAX_ROWS = 1 << 30
 GRAPH_CACHE_SIZE = 24  # graphs kept per vocoder thread and device, least recently used dropped first
 
 # Fixed by the official code, not the yaml.
@@ -182,7 +187,7 @@ class ConditionalFlowMatching(nn.Module):
     ) -> torch.Tensor:
         """mu, cond (B, 80, T_mel); mask (B, 1, T_mel); spks (B, 80) -> mel (B, 80, T_mel) fp32."""
         B, C, T = mu.shape
-        cached = STEP_GRAPH_CACHE and not streaming and n_steps > 1 and _capturable(mu)
+        cached = STEP_GRAPH_CACHE and B <= GRAPH_CACHE_MAX_ROWS and not streaming and n_steps > 1 and _capturable(mu)
         T_out, T = T, (-(-T // GRAPH_FRAME_QUANTUM) * GRAPH_FRAME_QUANTUM if cached else T)
         if self.noise is None or self.noise.size(2) < T:
             raise ValueError(f"flow: {T} mel frames requested; the fixed noise covers {NOISE_FRAMES}")
