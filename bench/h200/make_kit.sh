@@ -8,11 +8,15 @@ cd "$(dirname "$0")/../.."
 kit=.gpu
 # The sources travel without bench/results (6-7 MB the run never reads; the working tree beside the kit
 # carries them once already and the call holds 64 MiB in all).
-# --src: only this checkout's sources and their commit stamp (the rest of the kit already built).
-if [ "${1:-}" = "--src" ]; then
+# This checkout's sources, their commit stamp (the copy has no .git) and the device-side scripts.
+copy_sources() {
   rm -rf "$kit/src" && mkdir -p "$kit/src" && git archive HEAD | tar -x -C "$kit/src" --exclude=bench/results
-  git rev-parse HEAD > "$kit/src/bench/COMMIT"
+  git rev-parse HEAD > "$kit/src/bench/COMMIT"  # the commit measured
   cp bench/h200/run.sh bench/h200/switch_lease.sh "$kit/"
+}
+# --src: only those (the rest of the kit already built).
+if [ "${1:-}" = "--src" ]; then
+  copy_sources
   exit 0
 fi
 mkdir -p "$kit/whl" "$kit/bin/lib" "$kit/src"
@@ -36,9 +40,7 @@ if [ ! -f "$kit/fa3.tar.xz" ]; then
   tar cf - -C "$fa3tmp" vllm | xz -9 -T4 > "$kit/fa3.tar.xz"
   rm -rf "$fa3tmp"
 fi
-cp bench/h200/run.sh bench/h200/switch_lease.sh "$kit/"
-rm -rf "$kit/src" && mkdir -p "$kit/src" && git archive HEAD | tar -x -C "$kit/src" --exclude=bench/results
-git rev-parse HEAD > "$kit/src/bench/COMMIT"  # the commit measured (the copy has no .git)
+copy_sources
 # The fixture's small files the benchmark's official folder borrows (yaml, tokenizer, voice front-end ONNX),
 # and what the HiFT and LLM GPU tests read (weights, references, prompts; ~9 MB): GPU_TESTS= of
 # tests/test_cosyvoice2_hift.py then runs its fixture tests too. flow.pt (45 MB) stays home: the kit
