@@ -670,9 +670,11 @@ class Bench:
                 for i, s in enumerate((self.corpus * (n // len(self.corpus) + 1))[:n])]
 
     @staticmethod
-    def _measure(backend: LlmBackend, reqs: list[LlmRequest]) -> dict:
+    def _measure(backend: LlmBackend, reqs: list[LlmRequest], util: GpuUtilisation | None = None) -> dict:
+        """One generate() over `reqs`, timed; with `util` (running), the GPU's busy share over that span:
+        how far the backend's host side keeps its GPU waiting."""
         sync()
-        t = time.perf_counter()
+        t, began = time.perf_counter(), time.time()
         n = 0
         first = None
         for r in backend.generate(reqs):
@@ -680,8 +682,11 @@ class Bench:
             first = first or time.perf_counter() - t
         sync()
         s = time.perf_counter() - t
-        return {"requests": len(reqs), "tokens": n, "seconds": round(s, 4), "tokens_per_s": round(n / s, 1),
-                "first_result_s": round(first or 0.0, 4)}
+        out = {"requests": len(reqs), "tokens": n, "seconds": round(s, 4), "tokens_per_s": round(n / s, 1),
+               "first_result_s": round(first or 0.0, 4)}
+        if util is not None:
+            out["gpu_busy_pct"] = busy_pct(util.summary(window=(began, time.time())))
+        return out
 
     def llm_stage(self) -> dict:
         from voxbatch.worker.cosyvoice2.streaming import longest_first
@@ -726,7 +731,12 @@ class Bench:
     def vllm_stage(self) -> dict:
         """The vLLM backend's batch sweep, then the vLLM and torch backends over the same mixed-length
         corpus with the same rows (the largest batch), in this one run: in the order given and in the
-        engine intake's order (longest text first), tokens/s each and the ratios. The torch backend runs first and frees its KV cache before vLLM takes its share of the GPU."""
+        engine intake's order (longest text first), tokens/s each, the GPU's busy share while each ran, and
+        the ratios. The torch backend runs first and frees its KV cache before vLLM takes its share of the GPU."""
+        with GpuUtilisation() as util:
+            return self._vllm_stage(util)
+
+    def _vllm_stage(self, util: GpuUtilisation) -> dict:
         from voxbatch.worker.cosyvoice2.streaming import longest_first
         from voxbatch.worker.cosyvoice2.vllm_backend import VllmLlmBackend, VllmOptions
 
@@ -739,7 +749,7 @@ class Bench:
         list(backend.generate(self._fixed_requests(B, 8)))
         by_torch = {}
         for order, reqs in orders.items():
-            by_torch[order] = self._measure(backend, reqs)
+            by_torch[order] = self._measure(backend, reqs, util)
             by_torch[order].update(impl=f"torch (graphs), continuous, corpus, {order}", batch=B)
             print(f"  llm torch corpus B={B:4d} {order}: {by_torch[order]['tokens_per_s']:10.1f} tok/s", flush=True)
         backend.close()
@@ -761,12 +771,12 @@ class Bench:
             try:
                 list(backend.generate(self._fixed_requests(4, 8)))
                 for b in self.args.llm_batches:
-                    r = self._measure(backend, self._fixed_requests(b, self.args.llm_tokens))
+                    r = self._measure(backend, self._fixed_requests(b, self.args.llm_tokens), util)
                     r.update(impl=f"vllm{label}", batch=b)
                     rows.append(r)
                     print(f"  llm vllm{label} B={b:4d} {r['tokens_per_s']:10.1f} tok/s", flush=True)
                 for order, reqs in orders.items():
-                    by_vllm[order] = self._measure(backend, reqs)
+                    by_vllm[order] = self._measure(backend, reqs, util)
                     by_vllm[order].update(impl=f"vllm, continuous, corpus, {order}{label}", batch=B)
                     rows.append(by_vllm[order])
                     print(f"  llm vllm{label} corpus B={B:4d} {order}: {by_vllm[order]['tokens_per_s']:10.1f} tok/s", flush=True)
@@ -1443,9 +1453,10 @@ def table(results: dict) -> str:
                   f"prompt {c['prompt']['speech_tokens']} speech tokens / {c['prompt']['mel_frames']} mel frames", ""]
     llm_rows = st.get("llm", {}).get("rows", []) + st.get("vllm", {}).get("rows", [])
     if llm_rows:
-        lines += ["## LLM stage: speech tokens/s", "", "| backend | batch | requests | tokens | s | tokens/s | peak GiB |", "|---|---|---|---|---|---|---|"]
+        lines += ["## LLM stage: speech tokens/s", "", "| backend | batch | requests | tokens | s | tokens/s | GPU busy % | peak GiB |", "|---|---|---|---|---|---|---|---|"]
         for r in llm_rows:
-            lines.append(f"| {r['impl']} | {r['batch']} | {r['requests']} | {r['tokens']} | {r['seconds']} | {r['tokens_per_s']:,.0f} | {r.get('peak_gpu_gib', '')} |")
+            lines.append(f"| {r['impl']} | {r['batch']} | {r['requests']} | {r['tokens']} | {r['seconds']} | {r['tokens_per_s']:,.0f} | "
+                         f"{r.get('gpu_busy_pct') or ''} | {r.get('peak_gpu_gib', '')} |")
         if "vllm" in st and "startup_s" in st["vllm"]:
             lines.append(f"\nvLLM engine start-up {st['vllm']['startup_s']} s")
             vc = st["vllm"]["corpus"]
