@@ -30,7 +30,9 @@ def _frame(f: str) -> str:
     return re.sub(r" \([^()]*:\d+\)$", "", f)
 
 
-def summarise(lines: list[str], top: int = 25) -> str:
+def summarise(lines: list[str], top: int = 25, thread: str | None = None) -> str:
+    """The summary text; with `thread`, only the samples of threads whose raw name holds that string
+    (e.g. "(890)": one thread of one run, where several share a name)."""
     procs: dict[str, dict[str, Counter]] = defaultdict(lambda: {"thread": Counter(), "incl": Counter(), "self": Counter()})
     commands: dict[str, str] = {}
     for line in lines:
@@ -42,7 +44,7 @@ def summarise(lines: list[str], top: int = 25) -> str:
         while frames and (m := PROCESS.match(frames[0])):  # the innermost process is the one sampled
             pid, commands[m.group(1)] = m.group(1), m.group(2)
             frames = frames[1:]
-        if not frames:
+        if not frames or (thread is not None and thread not in frames[0]):
             continue
         p = procs[pid]
         p["thread"][_fold(frames[0])] += int(n)
@@ -65,8 +67,11 @@ def main() -> None:
     ap.add_argument("raw", type=Path)
     ap.add_argument("--title", default="")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--thread", action="append", default=None,
+                    help="only threads whose raw name holds this (e.g. '(890)'); repeat for one summary per thread")
     a = ap.parse_args()
-    text = summarise(a.raw.read_text(errors="replace").splitlines(), a.top)
+    lines = a.raw.read_text(errors="replace").splitlines()
+    text = "\n".join(summarise(lines, a.top, t) for t in (a.thread or [None]))
     sys.stdout.write((f"# {a.title}\n\n" if a.title else "") + text + "\n")
 
 

@@ -598,6 +598,31 @@ def test_engine_process_falls_back_without_the_plugin(monkeypatch, caplog):
     assert not vllm_backend.engine_in_own_process(vllm_backend.VllmOptions(), on_cpu=True)  # the CPU default
 
 
+def test_grouped_admission_waits_for_free_rows_and_draws_the_same_tokens(backend, ref, monkeypatch):
+    """admit_group 4 over the engine's 8 rows: the 12 requests' first 8 go in at once, the rest only
+    once 4 rows are free (never beside 5+ running ones), and the tokens are those of one-by-one
+    admission (same seeds; rows decode independently)."""
+    from dataclasses import replace
+
+    reqs = [LlmRequest(**{**r.__dict__, "seed": r.seed + 10 * k}) for k in range(3) for r in _mixed_requests(ref, greedy=False)]
+    one_by_one = {r.index: r.tokens for r in backend.generate(reqs)}
+    running_at_add: list[int] = []
+    add = backend.engine.add_request
+
+    def recording_add(*args, **kwargs):
+        running_at_add.append(backend.engine.get_num_unfinished_requests())
+        return add(*args, **kwargs)
+
+    monkeypatch.setattr(backend.engine, "add_request", recording_add)
+    monkeypatch.setattr(backend, "options", replace(backend.options, admit_group=4))
+    grouped = {r.index: r.tokens for r in backend.generate(reqs)}
+    assert grouped == one_by_one
+    assert running_at_add[:8] == list(range(8))  # the first group fills every row in one go
+    later = running_at_add[8:]
+    assert len(later) == 4 and later[0] <= 4, running_at_add  # the rest once 4 rows are free, together
+    assert later == list(range(later[0], later[0] + 4)), running_at_add
+
+
 def test_engine_core_in_its_own_process_draws_the_same_tokens(tiny_model_dir, backend, ref, max_model_len, tmp_path):
     """The engine core in a process of its own (vLLM's multiprocess client, the model class found
     through the installed entry point, as the GPU default runs it) gives the in-process engine's

@@ -81,6 +81,16 @@ class Settings(BaseSettings):
     # the decoding rows is larger than vLLM's default (2 x rows, at most 512). None: vLLM's default
     # (1024 measured mixed: 15.8k vs 14.5k tokens/s on the corpus, 19.6k vs 21.3k at fixed rows, gpu_h200_vllm5.json).
     vllm_cudagraph_max_tokens: int | None = Field(None, ge=1, le=8192)
+    # vLLM's CUDA-graph mode. None: vLLM's (FULL_AND_PIECEWISE with FlashAttention-3: whole-model graphs
+    # for decode-only steps, and a step that admits a prompt runs layer by layer, its attention
+    # eager between graphed pieces: on an H100 the piecewise launches were 15% of the in-process
+    # LLM thread's samples, bench/results/gpu_h100_s37_vllm_pyspy.txt). FULL: every step up to
+    # vllm_cudagraph_max_tokens is one graph, refill steps too (FlashAttention-3 graphs mixed batches).
+    vllm_cudagraph_mode: Literal["FULL", "FULL_AND_PIECEWISE", "PIECEWISE", "NONE"] | None = None
+    # Requests handed to vLLM together: waiting requests join once this many rows are free (or all
+    # that wait fit), so prompts are prefilled in a few batched steps instead of one beside every
+    # freed row, as the torch backend refills (rows // 8). None or 1: as soon as a row frees.
+    vllm_admit_group: int | None = Field(None, ge=1)
     # Most segments the engine decodes at once (the torch backend's KV-cache rows, vLLM's max_num_seqs).
     # None: the engine picks (`llm_rows`, voxbatch/worker/cosyvoice2/engine.py): 256 with the LLM on
     # a GPU, the fastest measured (bench/results/gpu_h200_worker.json), halved until the torch

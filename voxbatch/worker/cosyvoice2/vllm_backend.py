@@ -21,6 +21,7 @@ not (a source checkout on PYTHONPATH), or on a CPU, the core runs in this proces
 
 from __future__ import annotations
 
+import collections
 import importlib.metadata
 import itertools
 import logging
@@ -81,14 +82,26 @@ class VllmOptions:
     # that admits a new prompt beside 256 decoding rows holds ~520 tokens, past vLLM's default
     # (2 x max_num_seqs, at most 512), so without this every refill step runs without graphs. None: vLLM's.
     cudagraph_max_tokens: int | None = None
+    cudagraph_mode: str | None = None  # vLLM's CUDAGraphMode name (settings.vllm_cudagraph_mode); None: vLLM's
+    admit_group: int = 1  # requests handed to vLLM once this many rows are free (settings.vllm_admit_group)
 
 
 class _Job:
-    """One `generate()` call: its result queue and the engine request ids still open."""
+    """One `generate()` call: its result queue."""
 
-    def __init__(self, ids: list[str]):
+    def __init__(self):
         self.results: queue.Queue[LlmResult | BaseException] = queue.Queue()
-        self.open = set(ids)
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """A request the driver holds until the engine takes it."""
+
+    job: _Job
+    index: int  # its place in the call's list
+    rid: str
+    prompt: dict
+    params: Any
 
 
 class VllmLlmBackend(LlmBackend):
@@ -127,6 +140,8 @@ class VllmLlmBackend(LlmBackend):
             engine_process=settings.vllm_engine_process,
             async_scheduling=settings.vllm_async_scheduling,
             cudagraph_max_tokens=settings.vllm_cudagraph_max_tokens,
+            cudagraph_mode=settings.vllm_cudagraph_mode,
+            admit_group=settings.vllm_admit_group or 1,
         )
         return cls(settings.model_dir, options)
 
@@ -160,7 +175,7 @@ class VllmLlmBackend(LlmBackend):
             raise RuntimeError("the vLLM engine failed earlier") from self._failed
         ids = [f"r{next(self._ids)}" for _ in requests]
         items = [(rid, {"prompt_embeds": self.embedder(r).to(self.dtype)}, self._sampling_params(r)) for rid, r in zip(ids, requests)]
-        job = _Job(ids)
+        job = _Job()
         index_of = {rid: i for i, rid in enumerate(ids)}
         self._inbox.put(("add", (job, index_of, items)))
         done = 0
@@ -223,10 +238,11 @@ class VllmLlmBackend(LlmBackend):
         # the latter ("thread_num == thread_num (2 vs. 1)" on a long prompt). torch._C's own setter:
         # vLLM's CPU worker replaces torch.set_num_threads with a no-op.
         torch._C.set_num_threads(self._threads)
-        owners: dict[str, tuple[_Job, int]] = {}
+        owners: dict[str, tuple[_Job, int]] = {}  # requests in the engine -> their call and index
+        pending: collections.deque[_Pending] = collections.deque()  # held back until a group's rows are free
         stop_ids = set(self.dims.stop_ids)
         while True:
-            idle = not self.engine.has_unfinished_requests()
+            idle = not self.engine.has_unfinished_requests() and not pending
             try:
                 msg = self._inbox.get(block=idle)
             except queue.Empty:
@@ -237,19 +253,11 @@ class VllmLlmBackend(LlmBackend):
                     return
                 if kind == "add":
                     job, index_of, items = payload
-                    added: list[str] = []
-                    try:
-                        for rid, prompt, params in items:
-                            self.engine.add_request(rid, prompt, params)
-                            owners[rid] = (job, index_of[rid])
-                            added.append(rid)
-                    except Exception as e:  # noqa: BLE001 - a rejected request fails its own call only
-                        for rid in added:
-                            owners.pop(rid, None)
-                        if added:
-                            self.engine.abort_request(added)
-                        job.results.put(e)
+                    pending.extend(_Pending(job, index_of[rid], rid, prompt, params) for rid, prompt, params in items)
                 elif kind == "abort":
+                    ids = set(payload)
+                    if any(p.rid in ids for p in pending):
+                        pending = collections.deque(p for p in pending if p.rid not in ids)
                     live = [rid for rid in payload if rid in owners]
                     for rid in live:
                         owners.pop(rid)
@@ -259,6 +267,7 @@ class VllmLlmBackend(LlmBackend):
                     msg = self._inbox.get_nowait()
                 except queue.Empty:
                     msg = None
+            pending = self._admit(pending, owners)
             if not self.engine.has_unfinished_requests():
                 continue
             try:
@@ -278,6 +287,35 @@ class VllmLlmBackend(LlmBackend):
                     tokens.pop()
                 job.results.put(LlmResult(index=index, tokens=tokens))
 
+
+    def _admit(self, pending: collections.deque[_Pending], owners: dict[str, tuple[_Job, int]]) -> collections.deque[_Pending]:
+        """Hand waiting requests to the engine: all of them at once with admit_group 1 (vLLM fills a
+        freed row at its next step); else once `admit_group` rows are free, or as many as wait when
+        fewer do and fit, so their prompts are prefilled together. A request the engine rejects fails
+        its own call: that call's other requests leave the engine and the queue. Returns what still waits."""
+        group = min(self.options.admit_group, self.options.max_num_seqs)
+        free = len(pending) if group <= 1 else self.options.max_num_seqs - len(owners)
+        if not pending or free < min(group, len(pending)):
+            return pending
+        failed: set[int] = set()
+        for _ in range(min(free, len(pending))):
+            p = pending.popleft()
+            if id(p.job) in failed:
+                continue
+            try:
+                self.engine.add_request(p.rid, p.prompt, p.params)
+                owners[p.rid] = (p.job, p.index)
+            except Exception as e:  # noqa: BLE001 - a rejected request fails its own call only
+                failed.add(id(p.job))
+                mine = [rid for rid, (job, _) in owners.items() if job is p.job]
+                for rid in mine:
+                    owners.pop(rid)
+                if mine:
+                    self.engine.abort_request(mine)
+                p.job.results.put(e)
+        if failed:
+            pending = collections.deque(p for p in pending if id(p.job) not in failed)
+        return pending
 
 PLUGIN = "voxbatch.worker.cosyvoice2.vllm_model:register"
 
@@ -348,8 +386,13 @@ def _build_engine(folder: Path, options: VllmOptions) -> tuple[Any, torch.dtype]
         kwargs["gpu_memory_utilization"] = options.gpu_memory_utilization
     if options.async_scheduling is not None:
         kwargs["async_scheduling"] = options.async_scheduling
+    compilation: dict[str, Any] = {}
     if options.cudagraph_max_tokens and not on_cpu:
-        kwargs["compilation_config"] = {"cudagraph_capture_sizes": cudagraph_sizes(options.cudagraph_max_tokens, options.max_num_seqs)}
+        compilation["cudagraph_capture_sizes"] = cudagraph_sizes(options.cudagraph_max_tokens, options.max_num_seqs)
+    if options.cudagraph_mode and not on_cpu:
+        compilation["cudagraph_mode"] = options.cudagraph_mode
+    if compilation:
+        kwargs["compilation_config"] = compilation
     own_process = engine_in_own_process(options, on_cpu)
     vllm_config = EngineArgs(**kwargs).create_engine_config()
     if not own_process and vllm_config.parallel_config.world_size == 1:
@@ -367,7 +410,7 @@ def _build_engine(folder: Path, options: VllmOptions) -> tuple[Any, torch.dtype]
         log_stats=False,
         multiprocess_mode=own_process,
     )
-    log.info("vllm engine: core %s, async scheduling %s, CUDA graphs up to %s tokens",
+    log.info("vllm engine: core %s, async scheduling %s, CUDA graphs %s up to %s tokens",
              "in its own process" if own_process else "in this process", vllm_config.scheduler_config.async_scheduling,
-             vllm_config.compilation_config.max_cudagraph_capture_size)
+             vllm_config.compilation_config.cudagraph_mode, vllm_config.compilation_config.max_cudagraph_capture_size)
     return engine, dtype
