@@ -450,7 +450,7 @@ def vllm_run(spec: str) -> dict:
     s = Settings(**{RUN_KEYS[k]: v for k, v in run.items()})
     return {"engine_process": s.vllm_engine_process, "async_scheduling": s.vllm_async_scheduling,
             "cudagraph_max_tokens": s.vllm_cudagraph_max_tokens, "cudagraph_mode": s.vllm_cudagraph_mode,
-            "admit_group": s.vllm_admit_group or 1}
+            "admit_group": s.vllm_admit_group}
 
 
 def engine_order(specs: list[str], repeats: int) -> list[str]:

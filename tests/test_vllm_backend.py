@@ -598,6 +598,15 @@ def test_engine_process_falls_back_without_the_plugin(monkeypatch, caplog):
     assert not vllm_backend.engine_in_own_process(vllm_backend.VllmOptions(), on_cpu=True)  # the CPU default
 
 
+def test_admission_group_defaults_to_an_eighth_of_the_rows():
+    from voxbatch.worker.cosyvoice2.vllm_backend import VllmOptions, admission_group
+
+    assert admission_group(VllmOptions(max_num_seqs=256)) == 32  # as the torch backend refills
+    assert admission_group(VllmOptions(max_num_seqs=8)) == 1  # small engines: a row at a time
+    assert admission_group(VllmOptions(max_num_seqs=256, admit_group=1)) == 1
+    assert admission_group(VllmOptions(max_num_seqs=16, admit_group=64)) == 16  # never more than the rows
+
+
 def test_grouped_admission_waits_for_free_rows_and_draws_the_same_tokens(backend, ref, monkeypatch):
     """admit_group 4 over the engine's 8 rows: the 12 requests' first 8 go in at once, the rest only
     once 4 rows are free (never beside 5+ running ones), and the tokens are those of one-by-one

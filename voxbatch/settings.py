@@ -85,11 +85,17 @@ class Settings(BaseSettings):
     # for decode-only steps, and a step that admits a prompt runs layer by layer, its attention
     # eager between graphed pieces: on an H100 the piecewise launches were 15% of the in-process
     # LLM thread's samples, bench/results/gpu_h100_s37_vllm_pyspy.txt). FULL: every step up to
-    # vllm_cudagraph_max_tokens is one graph, refill steps too (FlashAttention-3 graphs mixed batches).
+    # vllm_cudagraph_max_tokens is one graph, refill steps too (FlashAttention-3 graphs mixed batches);
+    # with vLLM 0.26.0 on an H200 that engine hit an illegal memory access while profiling its graphs'
+    # memory (bench/results/gpu_h200_s37b_vllm_log.txt), so it is not the default.
     vllm_cudagraph_mode: Literal["FULL", "FULL_AND_PIECEWISE", "PIECEWISE", "NONE"] | None = None
     # Requests handed to vLLM together: waiting requests join once this many rows are free (or all
     # that wait fit), so prompts are prefilled in a few batched steps instead of one beside every
-    # freed row, as the torch backend refills (rows // 8). None or 1: as soon as a row frees.
+    # freed row (each such step runs outside the decode step's whole-model graph). None: the engine's
+    # rows // 8, as the torch backend refills (32 at 256 rows); 1: as soon as a row frees. On an H200
+    # at 256 rows, corpus longest text first, 32 against 1: 16.9k vs 14.0k tokens/s in-process,
+    # 16.5k vs 14.4k and (A B A B) 15.4k, 16.3k vs 13.2k, 12.3k with the core in its own process
+    # (bench/results/gpu_h200_s37c_vllm.json, gpu_h200_s37d_vllm.json).
     vllm_admit_group: int | None = Field(None, ge=1)
     # Most segments the engine decodes at once (the torch backend's KV-cache rows, vLLM's max_num_seqs).
     # None: the engine picks (`llm_rows`, voxbatch/worker/cosyvoice2/engine.py): 256 with the LLM on

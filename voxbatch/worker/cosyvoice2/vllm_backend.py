@@ -83,7 +83,7 @@ class VllmOptions:
     # (2 x max_num_seqs, at most 512), so without this every refill step runs without graphs. None: vLLM's.
     cudagraph_max_tokens: int | None = None
     cudagraph_mode: str | None = None  # vLLM's CUDAGraphMode name (settings.vllm_cudagraph_mode); None: vLLM's
-    admit_group: int = 1  # requests handed to vLLM once this many rows are free (settings.vllm_admit_group)
+    admit_group: int | None = None  # requests handed to vLLM once this many rows are free; None: max_num_seqs // 8 (settings.vllm_admit_group)
 
 
 class _Job:
@@ -141,7 +141,7 @@ class VllmLlmBackend(LlmBackend):
             async_scheduling=settings.vllm_async_scheduling,
             cudagraph_max_tokens=settings.vllm_cudagraph_max_tokens,
             cudagraph_mode=settings.vllm_cudagraph_mode,
-            admit_group=settings.vllm_admit_group or 1,
+            admit_group=settings.vllm_admit_group,
         )
         return cls(settings.model_dir, options)
 
@@ -289,11 +289,11 @@ class VllmLlmBackend(LlmBackend):
 
 
     def _admit(self, pending: collections.deque[_Pending], owners: dict[str, tuple[_Job, int]]) -> collections.deque[_Pending]:
-        """Hand waiting requests to the engine: all of them at once with admit_group 1 (vLLM fills a
+        """Hand waiting requests to the engine: all of them at once with a group of 1 (vLLM fills a
         freed row at its next step); else once `admit_group` rows are free, or as many as wait when
         fewer do and fit, so their prompts are prefilled together. A request the engine rejects fails
         its own call: that call's other requests leave the engine and the queue. Returns what still waits."""
-        group = min(self.options.admit_group, self.options.max_num_seqs)
+        group = admission_group(self.options)
         free = len(pending) if group <= 1 else self.options.max_num_seqs - len(owners)
         if not pending or free < min(group, len(pending)):
             return pending
@@ -318,6 +318,12 @@ class VllmLlmBackend(LlmBackend):
         return pending
 
 PLUGIN = "voxbatch.worker.cosyvoice2.vllm_model:register"
+
+
+def admission_group(options: VllmOptions) -> int:
+    """Rows that must be free before waiting requests join (at most the engine's rows): the option,
+    else max_num_seqs // 8 as the torch backend refills."""
+    return min(options.admit_group or max(1, options.max_num_seqs // 8), options.max_num_seqs)
 
 
 def plugin_installed() -> bool:
