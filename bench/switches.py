@@ -76,6 +76,7 @@ SWITCHES = {
     "gcache": ("voxbatch.worker.cosyvoice2.flow", "STEP_GRAPH_CACHE", _flag),
     "gcache_rows": ("voxbatch.worker.cosyvoice2.flow", "GRAPH_ROW_QUANTUM", int),
     "gcache_max": ("voxbatch.worker.cosyvoice2.flow", "GRAPH_CACHE_MAX_ROWS", int),
+    "vstream": ("voxbatch.worker.cosyvoice2.vllm_backend", "CONTINUOUS_STREAM", _flag),
     "sfwav": ("voxbatch.audio", "WAV_BY_LIBSNDFILE", _flag),
     "book_stream": ("voxbatch.producer.assemble", "BOOK_WHILE_ASSEMBLING", _flag),
     "render_warm": ("voxbatch.embedded", "WARM_GRAPHS_AT_START", _flag),

@@ -632,6 +632,40 @@ def test_grouped_admission_waits_for_free_rows_and_draws_the_same_tokens(backend
     assert later == list(range(later[0], later[0] + 4)), running_at_add
 
 
+def test_stream_refills_freed_rows_while_others_decode(backend, ref, monkeypatch):
+    """`stream` (the engine's path) over 12 requests on 8 rows: the 9th goes in while the first 8's
+    other rows still decode (continuous batching across the feed, not batch after batch), results come
+    keyed by the feed's keys with the tokens `generate` gives, and a request the engine cannot take
+    fails the stream with its reason and leaves the engine serving."""
+    from voxbatch.worker.cosyvoice2.llm_backend import ListFeed
+
+    reqs = [LlmRequest(**{**r.__dict__, "seed": r.seed + 10 * k}) for k in range(3) for r in _mixed_requests(ref, greedy=False)]
+    expected = {r.index: r.tokens for r in backend.generate(reqs)}
+    running_at_add: list[int] = []
+    add = backend.engine.add_request
+
+    def recording_add(*args, **kwargs):
+        running_at_add.append(backend.engine.get_num_unfinished_requests())
+        return add(*args, **kwargs)
+
+    monkeypatch.setattr(backend.engine, "add_request", recording_add)
+    streamed = dict(backend.stream(ListFeed(reqs)))
+    assert streamed == expected
+    assert len(running_at_add) == 12 and running_at_add[:8] == list(range(8))
+    assert running_at_add[8] > 0, running_at_add  # refilled beside rows still decoding
+    bad = [reqs[0], LlmRequest([1, 2], [0], min_tokens=0, max_tokens=ref["llm_lm_input"].shape[1] + 512, seed=0)]
+    with pytest.raises(ValueError, match="max_model_len"):
+        list(backend.stream(ListFeed(bad)))
+    assert dict(backend.stream(ListFeed(reqs[:2]))) == {0: expected[0], 1: expected[1]}
+    # The bench switch `vstream=0`: batch after batch, the 9th only once the first 8 are all done.
+    from voxbatch.worker.cosyvoice2 import vllm_backend
+
+    running_at_add.clear()
+    monkeypatch.setattr(vllm_backend, "CONTINUOUS_STREAM", False)
+    assert dict(backend.stream(ListFeed(reqs))) == expected
+    assert running_at_add[8] == 0, running_at_add
+
+
 def test_engine_core_in_its_own_process_draws_the_same_tokens(tiny_model_dir, backend, ref, max_model_len, tmp_path):
     """The engine core in a process of its own (vLLM's multiprocess client, the model class found
     through the installed entry point, as the GPU default runs it) gives the in-process engine's

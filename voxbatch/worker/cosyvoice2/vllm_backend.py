@@ -9,7 +9,9 @@ same seed) and hands vLLM one-hot logits, which vLLM's greedy sampler takes as t
 
 One scheduler: a single driver thread owns the engine and runs the `add_request` / `step()` loop.
 `generate()` calls from any thread hand their requests to it and receive each result as its request
-finishes, so concurrent callers share one continuously batched engine.
+finishes, so concurrent callers share one continuously batched engine; `stream()`, the engine's path,
+takes work from the intake whenever rows are free, across task boundaries. Freed rows are refilled in
+groups (`admission_group`), so prompts are prefilled a few at a time in batched steps.
 
 Where the engine core runs (`VllmOptions.engine_process`): on a GPU in a process of its own, as
 vLLM runs it by default. There its scheduler, input preparation and the model's launches hold no
@@ -36,10 +38,17 @@ import torch
 
 from voxbatch.worker.cosyvoice2.checkpoint import load_state_dict
 from voxbatch.worker.cosyvoice2.llm import SOS, TASK_ID, LlmDims
-from voxbatch.worker.cosyvoice2.llm_backend import LlmBackend, LlmRequest, LlmResult, out_of_range
+from voxbatch.worker.cosyvoice2.llm_backend import Feed, LlmBackend, LlmRequest, LlmResult, out_of_range
 from voxbatch.worker.cosyvoice2.vllm_export import export_for_vllm
 
 log = logging.getLogger(__name__)
+
+# How long `stream` waits for a result while rows are free before it looks at the feed again.
+STREAM_POLL_S = 0.005
+# `stream` refills rows as they free (the issue's continuous batching across tasks); False: the base
+# class's batch after batch, each decoded whole (bench switch `vstream`, for the worker A/B on a GPU:
+# not yet measured there; on CPU the refill is tested to give the same tokens).
+CONTINUOUS_STREAM = True
 
 
 class PromptEmbedder:
@@ -158,42 +167,105 @@ class VllmLlmBackend(LlmBackend):
     # -- the caller side ---------------------------------------------------------------------------
 
     def generate(self, requests: list[LlmRequest]) -> Iterator[LlmResult]:
-        from voxbatch.worker.cosyvoice2.ras import WINDOW
-
         for i, r in enumerate(requests):
-            self.embedder.check(i, r)
-            if r.win_size > WINDOW:
-                raise ValueError(f"request {i}: win_size {r.win_size} above the backend's window {WINDOW}")
-            prompt_len = len(r.text_tokens) + len(r.prompt_speech_tokens) + 2
-            if prompt_len + r.max_tokens > self.options.max_model_len:
-                raise ValueError(
-                    f"request {i}: prompt ({prompt_len}) + max_tokens ({r.max_tokens}) exceeds max_model_len {self.options.max_model_len}"
-                )
+            self._check(i, r)
         if not requests:
             return
+        job = _Job()
+        ids = self._submit(job, requests, list(range(len(requests))))
+        done = 0
+        try:
+            while done < len(requests):
+                item = self._next_result(job, 1.0)
+                if item is not None:
+                    done += 1
+                    yield item
+        finally:
+            if done < len(requests):  # caller stopped early: free the engine slots
+                self._inbox.put(("abort", ids))
+
+    def stream(self, feed: Feed) -> Iterator[tuple[object, list[int]]]:
+        """Continuous batching across the feed's task boundaries, as the torch backend does it: work is
+        taken whenever rows are free (a group of them while others decode, `admission_group`), so a
+        finished request's row is refilled without waiting for the rest of its batch; each result is
+        yielded as its request finishes. (The base class took a batch and decoded it whole.)"""
+        if not CONTINUOUS_STREAM:
+            yield from super().stream(feed)
+            return
+        job = _Job()
+        keys: dict[int, object] = {}  # index -> the feed's key, for requests in the engine
+        rids: dict[int, str] = {}  # index -> engine request id
+        indices = itertools.count()
+        group = admission_group(self.options)
+        closed = False
+        try:
+            while True:
+                if not closed:
+                    batch = self._take(feed, len(keys), group)
+                    if batch is None:
+                        closed = True
+                    elif batch:
+                        for i, (_, r) in enumerate(batch):
+                            self._check(i, r)
+                        at = [next(indices) for _ in batch]
+                        rids.update(zip(at, self._submit(job, [r for _, r in batch], at)))
+                        keys.update(zip(at, (key for key, _ in batch)))
+                if not keys:
+                    if closed:
+                        return
+                    continue
+                room = not closed and len(keys) < self.max_batch  # new work may come for free rows
+                item = self._next_result(job, STREAM_POLL_S if room else 1.0)
+                if item is not None:
+                    del rids[item.index]
+                    yield keys.pop(item.index), item.tokens
+        finally:
+            if rids:  # the caller stopped early or a request failed: free the engine slots
+                self._inbox.put(("abort", list(rids.values())))
+
+    def _take(self, feed: Feed, decoding: int, group: int) -> list[tuple[object, LlmRequest]] | None:
+        """What the feed gives for the free rows: with nothing decoding, whatever comes (waiting a
+        little); else only once `group` rows are free, or all that wait fit."""
+        if not decoding:
+            return feed.take(self.max_batch, True)
+        free, waiting = self.max_batch - decoding, feed.waiting()
+        if free <= 0 or not waiting or free < min(group, waiting):
+            return []
+        return feed.take(free, False)
+
+    def _check(self, i: int, r: LlmRequest) -> None:
+        """A request this engine can take, else ValueError naming it (`i`: its place in the call)."""
+        from voxbatch.worker.cosyvoice2.ras import WINDOW
+
+        self.embedder.check(i, r)
+        if r.win_size > WINDOW:
+            raise ValueError(f"request {i}: win_size {r.win_size} above the backend's window {WINDOW}")
+        prompt_len = len(r.text_tokens) + len(r.prompt_speech_tokens) + 2
+        if prompt_len + r.max_tokens > self.options.max_model_len:
+            raise ValueError(
+                f"request {i}: prompt ({prompt_len}) + max_tokens ({r.max_tokens}) exceeds max_model_len {self.options.max_model_len}"
+            )
+
+    def _submit(self, job: _Job, requests: list[LlmRequest], indices: list[int]) -> list[str]:
+        """Hand checked requests to the driver thread; their results reach `job` under `indices`."""
         if self._failed is not None:
             raise RuntimeError("the vLLM engine failed earlier") from self._failed
         ids = [f"r{next(self._ids)}" for _ in requests]
         items = [(rid, {"prompt_embeds": self.embedder(r).to(self.dtype)}, self._sampling_params(r)) for rid, r in zip(ids, requests)]
-        job = _Job()
-        index_of = {rid: i for i, rid in enumerate(ids)}
-        self._inbox.put(("add", (job, index_of, items)))
-        done = 0
+        self._inbox.put(("add", (job, dict(zip(ids, indices)), items)))
+        return ids
+
+    def _next_result(self, job: _Job, timeout: float) -> LlmResult | None:
+        """The next finished request of `job`, or None after `timeout`; raises if the engine failed."""
         try:
-            while done < len(requests):
-                try:
-                    item = job.results.get(timeout=1.0)
-                except queue.Empty:
-                    if not self._driver.is_alive():  # stopped or failed before taking this call
-                        raise RuntimeError("the vLLM driver thread is not running") from self._failed
-                    continue
-                if isinstance(item, BaseException):
-                    raise RuntimeError(f"vLLM failed on this batch: {item}") from item
-                done += 1
-                yield item
-        finally:
-            if done < len(requests):  # caller stopped early: free the engine slots
-                self._inbox.put(("abort", ids))
+            item = job.results.get(timeout=timeout)
+        except queue.Empty:
+            if not self._driver.is_alive():  # stopped or failed before taking this call
+                raise RuntimeError("the vLLM driver thread is not running") from self._failed
+            return None
+        if isinstance(item, BaseException):
+            raise RuntimeError(f"vLLM failed on this batch: {item}") from item
+        return item
 
     def _sampling_params(self, r: LlmRequest) -> Any:
         from vllm import SamplingParams
