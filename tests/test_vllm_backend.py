@@ -383,6 +383,24 @@ def _mixed_requests(ref, greedy: bool) -> list[LlmRequest]:
     ]
 
 
+def _three_copies(ref, greedy: bool) -> list[LlmRequest]:
+    """The four mixed requests three times with other seeds: 12 requests, more than the engine's 8 rows."""
+    return [LlmRequest(**{**r.__dict__, "seed": r.seed + 10 * k}) for k in range(3) for r in _mixed_requests(ref, greedy)]
+
+
+def _record_admissions(backend, monkeypatch) -> list[int]:
+    """From now on, each request the engine is handed appends how many it held unfinished just before."""
+    running_at_add: list[int] = []
+    add = backend.engine.add_request
+
+    def recording_add(*args, **kwargs):
+        running_at_add.append(backend.engine.get_num_unfinished_requests())
+        return add(*args, **kwargs)
+
+    monkeypatch.setattr(backend.engine, "add_request", recording_add)
+    return running_at_add
+
+
 def test_prompt_embeddings_equal_reference(backend, ref, min_len):
     emb = backend.embedder(_fixture_request(ref, min_len))
     assert torch.equal(emb, torch.from_numpy(ref["llm_lm_input"][0]))
@@ -402,7 +420,7 @@ def test_tokens_equal_torch_backend(tiny_model_dir, backend, ref, max_model_len,
     from voxbatch.worker.cosyvoice2.torch_backend import TorchLlmBackend
 
     torch_backend = TorchLlmBackend.from_model_dir(tiny_model_dir, max_batch=8, max_seq=max_model_len)
-    reqs = [LlmRequest(**{**r.__dict__, "seed": r.seed + 10 * k}) for k in range(3) for r in _mixed_requests(ref, greedy)]
+    reqs = _three_copies(ref, greedy)
     by_torch = {r.index: r.tokens for r in torch_backend.generate(reqs)}
     by_vllm = {r.index: r.tokens for r in backend.generate(reqs)}
     assert by_vllm == by_torch
@@ -613,16 +631,9 @@ def test_grouped_admission_waits_for_free_rows_and_draws_the_same_tokens(backend
     admission (same seeds; rows decode independently)."""
     from dataclasses import replace
 
-    reqs = [LlmRequest(**{**r.__dict__, "seed": r.seed + 10 * k}) for k in range(3) for r in _mixed_requests(ref, greedy=False)]
+    reqs = _three_copies(ref, greedy=False)
     one_by_one = {r.index: r.tokens for r in backend.generate(reqs)}
-    running_at_add: list[int] = []
-    add = backend.engine.add_request
-
-    def recording_add(*args, **kwargs):
-        running_at_add.append(backend.engine.get_num_unfinished_requests())
-        return add(*args, **kwargs)
-
-    monkeypatch.setattr(backend.engine, "add_request", recording_add)
+    running_at_add = _record_admissions(backend, monkeypatch)
     monkeypatch.setattr(backend, "options", replace(backend.options, admit_group=4))
     grouped = {r.index: r.tokens for r in backend.generate(reqs)}
     assert grouped == one_by_one
@@ -639,16 +650,9 @@ def test_stream_refills_freed_rows_while_others_decode(backend, ref, monkeypatch
     fails the stream with its reason and leaves the engine serving."""
     from voxbatch.worker.cosyvoice2.llm_backend import ListFeed
 
-    reqs = [LlmRequest(**{**r.__dict__, "seed": r.seed + 10 * k}) for k in range(3) for r in _mixed_requests(ref, greedy=False)]
+    reqs = _three_copies(ref, greedy=False)
     expected = {r.index: r.tokens for r in backend.generate(reqs)}
-    running_at_add: list[int] = []
-    add = backend.engine.add_request
-
-    def recording_add(*args, **kwargs):
-        running_at_add.append(backend.engine.get_num_unfinished_requests())
-        return add(*args, **kwargs)
-
-    monkeypatch.setattr(backend.engine, "add_request", recording_add)
+    running_at_add = _record_admissions(backend, monkeypatch)
     streamed = dict(backend.stream(ListFeed(reqs)))
     assert streamed == expected
     assert len(running_at_add) == 12 and running_at_add[:8] == list(range(8))
@@ -675,7 +679,7 @@ def test_engine_core_in_its_own_process_draws_the_same_tokens(tiny_model_dir, ba
 
     if not plugin_installed():
         pytest.skip("voxbatch is not installed (pip install -e .): no vllm.general_plugins entry point for the engine-core process")
-    reqs = [LlmRequest(**{**r.__dict__, "seed": r.seed + 10 * k}) for k in range(3) for r in _mixed_requests(ref, greedy=False)]
+    reqs = _three_copies(ref, greedy=False)
     in_process = {r.index: r.tokens for r in backend.generate(reqs)}
     own = VllmLlmBackend(tiny_model_dir, VllmOptions(max_model_len=max_model_len, max_num_seqs=8, export_cache_dir=str(tmp_path), dtype="float32",
                                                      engine_process=True))
