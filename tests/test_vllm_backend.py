@@ -19,6 +19,7 @@ import json
 import math
 import os
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -661,6 +662,14 @@ def test_stream_refills_freed_rows_while_others_decode(backend, ref, monkeypatch
     with pytest.raises(ValueError, match="max_model_len"):
         list(backend.stream(ListFeed(bad)))
     assert dict(backend.stream(ListFeed(reqs[:2]))) == {0: expected[0], 1: expected[1]}
+    # Closed after its first result (the caller stopped): what was in flight leaves the engine.
+    gen = backend.stream(ListFeed(reqs))
+    next(gen)
+    gen.close()
+    deadline = time.monotonic() + 30
+    while backend.engine.get_num_unfinished_requests() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert backend.engine.get_num_unfinished_requests() == 0
     # The bench switch `vstream=0`: batch after batch, the 9th only once the first 8 are all done.
     from voxbatch.worker.cosyvoice2 import vllm_backend
 
