@@ -77,6 +77,7 @@ SWITCHES = {
     "gcache_rows": ("voxbatch.worker.cosyvoice2.flow", "GRAPH_ROW_QUANTUM", int),
     "gcache_max": ("voxbatch.worker.cosyvoice2.flow", "GRAPH_CACHE_MAX_ROWS", int),
     "vstream": ("voxbatch.worker.cosyvoice2.vllm_backend", "CONTINUOUS_STREAM", _flag),
+    "vfinal": ("voxbatch.worker.cosyvoice2.vllm_backend", "FINAL_ONLY", _flag),
     "sfwav": ("voxbatch.audio", "WAV_BY_LIBSNDFILE", _flag),
     "book_stream": ("voxbatch.producer.assemble", "BOOK_WHILE_ASSEMBLING", _flag),
     "render_warm": ("voxbatch.embedded", "WARM_GRAPHS_AT_START", _flag),

@@ -49,6 +49,13 @@ STREAM_POLL_S = 0.005
 # class's batch after batch, each decoded whole (bench switch `vstream`, for the worker A/B on a GPU:
 # not yet measured there; on CPU the refill is tested to give the same tokens).
 CONTINUOUS_STREAM = True
+# Ask vLLM for a request's output only when it finishes (RequestOutputKind.FINAL_ONLY) instead of a
+# RequestOutput per running request per step, which the driver skips: building those was 10.5% of the
+# in-process engine thread's samples (`RequestState.make_request_output`, H100,
+# bench/results/gpu_h100_s37_vllm_pyspy.txt). Off: one earlier run measured it no faster (16.3k vs 17.5k
+# tokens/s, bench/results/gpu_h200_vllm4.json), inside the noise this stop saw on one host (fixed-row runs
+# 13.6k-26.0k, gpu_h200_s37d_vllm.json); bench switch `vfinal` for a run with pairs.
+FINAL_ONLY = False
 
 
 class PromptEmbedder:
@@ -269,6 +276,7 @@ class VllmLlmBackend(LlmBackend):
 
     def _sampling_params(self, r: LlmRequest) -> Any:
         from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
 
         from voxbatch.worker.cosyvoice2.ras import RasParams, ras_extra_args
 
@@ -291,6 +299,7 @@ class VllmLlmBackend(LlmBackend):
             stop_token_ids=list(self.dims.stop_ids),
             detokenize=False,
             extra_args=ras_extra_args(ras),
+            output_kind=RequestOutputKind.FINAL_ONLY if FINAL_ONLY else RequestOutputKind.CUMULATIVE,
         )
 
     def close(self) -> None:
