@@ -103,7 +103,7 @@ class VllmOptions:
 
 
 class _Job:
-    """One `generate()` call: its result queue."""
+    """One `generate()` or `stream()` call: where the driver thread puts its results (or its failure)."""
 
     def __init__(self):
         self.results: queue.Queue[LlmResult | BaseException] = queue.Queue()
@@ -114,7 +114,7 @@ class _Pending:
     """A request the driver holds until the engine takes it."""
 
     job: _Job
-    index: int  # its place in the call's list
+    index: int  # the result's index for its call
     rid: str
     prompt: dict
     params: Any
@@ -368,7 +368,6 @@ class VllmLlmBackend(LlmBackend):
                     tokens.pop()
                 job.results.put(LlmResult(index=index, tokens=tokens))
 
-
     def _admit(self, pending: collections.deque[_Pending], owners: dict[str, tuple[_Job, int]]) -> collections.deque[_Pending]:
         """Hand waiting requests to the engine: all of them at once with a group of 1 (vLLM fills a
         freed row at its next step); else once `admit_group` rows are free, or as many as wait when
@@ -397,6 +396,7 @@ class VllmLlmBackend(LlmBackend):
         if failed:
             pending = collections.deque(p for p in pending if id(p.job) not in failed)
         return pending
+
 
 PLUGIN = "voxbatch.worker.cosyvoice2.vllm_model:register"
 
