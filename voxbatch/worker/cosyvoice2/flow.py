@@ -98,7 +98,9 @@ GRAPH_ROW_QUANTUM = 8  # rows; 1 keeps the batch's own row count
 # Batches of more rows than this take the per-batch graph instead of the cache. Why: padding cost the
 # big batches most of what s36d lost (75 -> 80 rows, 50 -> 56), while the gaps the cache is for come
 # from small ones, whose eager first step is too short to cover their capture's host time; a small
-# batch's padding is a few rows. Not measured yet (bench switch `gcache_max`, with `gcache=1`).
+# batch's padding is a few rows. Not kept: `gcache=1,gcache_max=32` ran the worker at 0.961 of the
+# shipped speed on an H200, 304.5x / 306.4x vs 323.6x / 318.8x / 311.4x, A B A B A
+# (bench/results/gpu_h200_s37_worker.json). Bench switch `gcache_max`, with `gcache=1`.
 GRAPH_CACHE_MAX_ROWS = 1 << 30
 GRAPH_CACHE_SIZE = 24  # graphs kept per vocoder thread and device, least recently used dropped first
 

@@ -200,45 +200,42 @@ class VllmLlmBackend(LlmBackend):
             yield from super().stream(feed)
             return
         job = _Job()
-        keys: dict[int, object] = {}  # index -> the feed's key, for requests in the engine
-        rids: dict[int, str] = {}  # index -> engine request id
+        inflight: dict[int, tuple[object, str]] = {}  # index -> (the feed's key, engine request id)
         indices = itertools.count()
         group = admission_group(self.options)
         closed = False
         try:
             while True:
                 if not closed:
-                    batch = self._take(feed, len(keys), group)
+                    batch = self._take(feed, len(inflight), group)
                     if batch is None:
                         closed = True
                     elif batch:
                         for i, (_, r) in enumerate(batch):
                             self._check(i, r)
                         at = [next(indices) for _ in batch]
-                        rids.update(zip(at, self._submit(job, [r for _, r in batch], at)))
-                        keys.update(zip(at, (key for key, _ in batch)))
-                if not keys:
+                        ids = self._submit(job, [r for _, r in batch], at)
+                        inflight.update(zip(at, ((key, rid) for (key, _), rid in zip(batch, ids))))
+                if not inflight:
                     if closed:
                         return
                     continue
-                room = not closed and len(keys) < self.max_batch  # new work may come for free rows
+                room = not closed and len(inflight) < self.max_batch  # new work may come for free rows
                 item = self._next_result(job, STREAM_POLL_S if room else 1.0)
                 if item is not None:
-                    del rids[item.index]
-                    yield keys.pop(item.index), item.tokens
+                    key, _ = inflight.pop(item.index)
+                    yield key, item.tokens
         finally:
-            if rids:  # the caller stopped early or a request failed: free the engine slots
-                self._inbox.put(("abort", list(rids.values())))
+            if inflight:  # the caller stopped early or a request failed: free the engine slots
+                self._inbox.put(("abort", [rid for _, rid in inflight.values()]))
 
     def _take(self, feed: Feed, decoding: int, group: int) -> list[tuple[object, LlmRequest]] | None:
         """What the feed gives for the free rows: with nothing decoding, whatever comes (waiting a
         little); else only once `group` rows are free, or all that wait fit."""
         if not decoding:
             return feed.take(self.max_batch, True)
-        free, waiting = self.max_batch - decoding, feed.waiting()
-        if free <= 0 or not waiting or free < min(group, waiting):
-            return []
-        return feed.take(free, False)
+        free = self.max_batch - decoding
+        return feed.take(free, False) if group_fits(free, feed.waiting(), group) else []
 
     def _check(self, i: int, r: LlmRequest) -> None:
         """A request this engine can take, else ValueError naming it (`i`: its place in the call)."""
@@ -375,7 +372,7 @@ class VllmLlmBackend(LlmBackend):
         its own call: that call's other requests leave the engine and the queue. Returns what still waits."""
         group = admission_group(self.options)
         free = len(pending) if group <= 1 else self.options.max_num_seqs - len(owners)
-        if not pending or free < min(group, len(pending)):
+        if not group_fits(free, len(pending), group):
             return pending
         failed: set[int] = set()
         for _ in range(min(free, len(pending))):
@@ -405,6 +402,12 @@ def admission_group(options: VllmOptions) -> int:
     """Rows that must be free before waiting requests join (at most the engine's rows): the option,
     else max_num_seqs // 8 as the torch backend refills."""
     return min(options.admit_group or max(1, options.max_num_seqs // 8), options.max_num_seqs)
+
+
+def group_fits(free: int, waiting: int, group: int) -> bool:
+    """The one refill rule (the driver's queue and `stream`'s intake): requests wait, and `group` rows
+    are free, or all that wait fit."""
+    return waiting > 0 and free >= min(group, waiting)
 
 
 def plugin_installed() -> bool:
