@@ -683,15 +683,16 @@ def test_stream_refills_freed_rows_while_others_decode(backend, ref, monkeypatch
     assert running_at_add[8] == 0, running_at_add
 
 
-def test_engine_core_in_its_own_process_draws_the_same_tokens(tiny_model_dir, backend, ref, max_model_len, tmp_path):
-    """The engine core in a process of its own (vLLM's multiprocess client, the model class found
-    through the installed entry point, as the GPU default runs it) gives the in-process engine's
-    tokens for the same RAS requests, and closing it ends that process."""
+def test_engine_core_in_its_own_process_draws_the_same_tokens(tiny_model_dir, backend, ref, max_model_len, tmp_path, monkeypatch):
+    """The engine core in a process of its own (vLLM's multiprocess client, started by spawning a fresh
+    interpreter, the model class found through the installed entry point, as the GPU default runs it)
+    gives the in-process engine's tokens for the same RAS requests, and closing it ends that process."""
     _vllm_or_skip()
     from voxbatch.worker.cosyvoice2.vllm_backend import VllmLlmBackend, VllmOptions, plugin_installed
 
     if not plugin_installed():
         pytest.skip("voxbatch is not installed (pip install -e .): no vllm.general_plugins entry point for the engine-core process")
+    monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)  # vLLM's default: fork
     reqs = _three_copies(ref, greedy=False)
     in_process = {r.index: r.tokens for r in backend.generate(reqs)}
     own = VllmLlmBackend(tiny_model_dir, VllmOptions(max_model_len=max_model_len, max_num_seqs=8, export_cache_dir=str(tmp_path), dtype="float32",
@@ -700,6 +701,8 @@ def test_engine_core_in_its_own_process_draws_the_same_tokens(tiny_model_dir, ba
         core = own.engine.engine_core
         proc = getattr(core, "resources", None) and core.resources.engine_manager
         assert type(core).__name__ == "SyncMPClient", type(core).__name__
+        # spawned, not forked: a forked core failed on a GPU (vllm_backend.start_core_by_spawning)
+        assert [type(p).__name__ for p in getattr(proc, "processes", [])] == ["SpawnProcess"]
         assert {r.index: r.tokens for r in own.generate(reqs)} == in_process
     finally:
         own.close()

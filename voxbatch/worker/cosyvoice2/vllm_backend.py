@@ -27,6 +27,7 @@ import collections
 import importlib.metadata
 import itertools
 import logging
+import os
 import queue
 import threading
 from collections.abc import Iterator
@@ -435,6 +436,18 @@ def engine_in_own_process(options: VllmOptions, on_cpu: bool) -> bool:
     return wanted
 
 
+def start_core_by_spawning() -> None:
+    """An engine core in its own process starts from a fresh interpreter (multiprocessing "spawn"),
+    unless the user chose otherwise (VLLM_WORKER_MULTIPROC_METHOD).
+
+    vLLM forks by default and switches to spawn only when it sees CUDA initialized in this process.
+    A `voxbatch worker` had touched the GPU in a way that check missed, so the forked core failed
+    ("Cannot re-initialize CUDA in forked subprocess") and the worker restarted in a loop without
+    ever serving (H100, bench/results/gpu_h100_s38_vllm_worker_log.txt). A spawned core imports what it
+    needs itself and finds the model class through the plugin entry point."""
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+
+
 def _build_engine(folder: Path, options: VllmOptions) -> tuple[Any, torch.dtype]:
     """A vLLM engine for the exported folder, with the RAS logits processor; its core in this process
     or in its own (`engine_in_own_process`)."""
@@ -484,6 +497,8 @@ def _build_engine(folder: Path, options: VllmOptions) -> tuple[Any, torch.dtype]
     if compilation:
         kwargs["compilation_config"] = compilation
     own_process = engine_in_own_process(options, on_cpu)
+    if own_process:
+        start_core_by_spawning()
     vllm_config = EngineArgs(**kwargs).create_engine_config()
     if not own_process and vllm_config.parallel_config.world_size == 1:
         # An in-process core keeps its worker in this process too, so the worker sees our
