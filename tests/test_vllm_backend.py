@@ -670,12 +670,14 @@ def test_stream_refills_freed_rows_while_others_decode(backend, ref, monkeypatch
     while backend.engine.get_num_unfinished_requests() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert backend.engine.get_num_unfinished_requests() == 0
-    # The bench switch `vfinal=1`: outputs only for finished requests, the same tokens.
+    # The bench switch `vfinal=0`: an output per running request per step (the default asks only for
+    # finished ones), the same tokens.
     from voxbatch.worker.cosyvoice2 import vllm_backend
 
-    monkeypatch.setattr(vllm_backend, "FINAL_ONLY", True)
-    assert dict(backend.stream(ListFeed(reqs))) == expected
+    assert vllm_backend.FINAL_ONLY
     monkeypatch.setattr(vllm_backend, "FINAL_ONLY", False)
+    assert dict(backend.stream(ListFeed(reqs))) == expected
+    monkeypatch.setattr(vllm_backend, "FINAL_ONLY", True)
     # The bench switch `vstream=0`: batch after batch, the 9th only once the first 8 are all done.
     running_at_add.clear()
     monkeypatch.setattr(vllm_backend, "CONTINUOUS_STREAM", False)

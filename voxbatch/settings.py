@@ -68,7 +68,10 @@ class Settings(BaseSettings):
     # on a CPU. On an H200 the worker's engine on vLLM ran at 267.2x real time with the core in its
     # own process against 190.8x in the worker's (bench/results/gpu_h200_vllm7_log.txt,
     # gpu_h200_vllm8.json; the LLM alone is faster in-process, 18.2k vs 14.5k tokens/s,
-    # gpu_h200_vllm5.json: in the worker its scheduling competes for the GIL with flow/HiFT). Needs
+    # gpu_h200_vllm5.json: in the worker its scheduling competes for the GIL with flow/HiFT). The real
+    # `voxbatch worker` process, H100, tasks of 16: 244.6x / 272.1x own process vs 221.9x in the worker's
+    # (bench/results/gpu_h100_s38c_vllm_worker.json); before the core was spawned rather than forked
+    # that worker never started (gpu_h100_s38_vllm_worker_log.txt). Needs
     # voxbatch installed (the model class reaches that process through the package's
     # vllm.general_plugins entry point); without it the core runs in the worker's process, with a warning.
     vllm_engine_process: bool | None = None

@@ -47,16 +47,18 @@ log = logging.getLogger(__name__)
 # How long `stream` waits for a result while rows are free before it looks at the feed again.
 STREAM_POLL_S = 0.005
 # `stream` refills rows as they free (the continuous batching across tasks); False: the base
-# class's batch after batch, each decoded whole (bench switch `vstream`, for the worker A/B on a GPU:
-# not yet measured there; on CPU the refill is tested to give the same tokens).
+# class's batch after batch, each decoded whole. The worker on vLLM, tasks of 16, H100, A B A: 266.0x /
+# 255.0x refilling vs 237.0x batch after batch (B/A 0.91, bench/results/gpu_h100_s38a_vllm_worker.json).
+# Bench switch `vstream`.
 CONTINUOUS_STREAM = True
 # Ask vLLM for a request's output only when it finishes (RequestOutputKind.FINAL_ONLY) instead of a
 # RequestOutput per running request per step, which the driver skips: building those was 10.5% of the
 # in-process engine thread's samples (`RequestState.make_request_output`, H100,
-# bench/results/gpu_h100_s37_vllm_pyspy.txt). Off: one earlier run measured it no faster (16.3k vs 17.5k
-# tokens/s, bench/results/gpu_h200_vllm4.json), inside the noise this stop saw on one host (fixed-row runs
-# 13.6k-26.0k, gpu_h200_s37d_vllm.json); bench switch `vfinal` for a run with pairs.
-FINAL_ONLY = False
+# bench/results/gpu_h100_s37_vllm_pyspy.txt). On: the worker on vLLM, tasks of 16, H100, A B A pairs:
+# 273.3x with vs 254.2x / 263.8x without, engine core in the worker's process (B/A 1.055,
+# gpu_h100_s38b_vllm_worker.json); 287.8x vs 244.6x / 272.1x, core in its own process (B/A 1.114,
+# gpu_h100_s38c_vllm_worker.json). Bench switch `vfinal` (`vfinal=0` for the per-step outputs).
+FINAL_ONLY = True
 
 
 class PromptEmbedder:
