@@ -23,7 +23,9 @@ want it when it is not). `vocode_host_ms <ms>` is how
 long a flow/HiFT batch took to queue all its GPU work (the host's part, GIL waits included) and
 `vocode_ms <ms>` its whole wall time: a batch whose host part is most of its wall time kept its
 stream short of work. `llm_admit_ms` and `llm_place_ms` are the LLM thread's host time to take
-segments in and to place them in cache rows (LLM_HOST_EVENTS).
+segments in and to place them in cache rows (LLM_HOST_EVENTS); `llm_prefill_ms` is the part of a
+placement spent filling the rows (the prefill's launches, the rows' state and sampler reset), and
+`llm_launch_us` how long one tiny kernel's launch held the LLM thread just before it (`launch_probe`).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 log = logging.getLogger("voxbatch.timeline")
 log.setLevel(logging.WARNING)  # off until `configure(True)`
@@ -44,7 +46,14 @@ GC_EVENTS = ("gc1", "gc2")  # count = the pause in milliseconds
 # The LLM thread's host time (count = milliseconds) to take segments in (the pipeline's attempt count
 # and the engine's item for each) and to place them in cache rows (checks and prefill launches): no
 # decode step is launched meanwhile, so at a job's start these are GPU time lost.
-LLM_HOST_EVENTS = ("llm_admit_ms", "llm_place_ms")
+LLM_HOST_EVENTS = ("llm_admit_ms", "llm_place_ms", "llm_prefill_ms")
+# How long the launch of one tiny kernel held the LLM thread at each placement (count = microseconds).
+# Why: a placement took 60-210 ms while the GIL was free (probe ~0.2 ms, py-spy's GIL holder sampled
+# in at most a seventh of the slots; bench/results/gpu_h100_s38_torch_gil.json), so the time goes to
+# launches or blocking CUDA calls. A launch returns in a few microseconds unless the launch queue is
+# full (the vocoder threads launch until it blocks them); then it waits for queued kernels to retire,
+# and so does every launch of the prefill.
+LAUNCH_EVENT = "llm_launch_us"
 # A flow batch that replayed a step graph kept for its shape, or captured one (flow.STEP_GRAPH_CACHE;
 # count = the batch's rows as run): how often the cache pays, since a capture costs the host an eager
 # step and a capture while the GPU may sit idle.
@@ -119,6 +128,16 @@ def event(name: str, count: int = 0) -> None:
         log.info("timeline %s %d %.6f", name, count, time.time())
 
 
+def launch_probe(launch: Callable[[], object]) -> None:
+    """LAUNCH_EVENT: how long `launch()` (one tiny kernel on the caller's stream) holds the calling
+    thread; not called when the timeline is off."""
+    if not log.isEnabledFor(logging.INFO):
+        return
+    began = time.perf_counter()
+    launch()
+    event(LAUNCH_EVENT, round(1e6 * (time.perf_counter() - began)))
+
+
 def read(lines, start: float, end: float) -> list[tuple[float, str, int]]:
     """(seconds since `start`, event, count) of the timeline lines stamped within [start, end]."""
     out = []
@@ -144,13 +163,15 @@ def summary(events: list[tuple[float, str, int]]) -> dict[str, float | int | Non
     work (`last_llm_done_s`: the job's vocoder-only tail starts there), how many of each, the garbage
     collections' pauses (total and longest, ms), the GIL probe's delays (mean, 90th percentile and
     the worst window, microseconds) and the vocoder batches' host share (their queueing time over
-    their wall time, summed over the job's batches), how often two batches started together, and
-    the sizes of the batches started after the LLM's last row (the vocoder-only tail)."""
+    their wall time, summed over the job's batches), how often two batches started together, the
+    sizes of the batches started after the LLM's last row (the vocoder-only tail), the LLM thread's
+    host time in total per kind, and its placements' one-launch probe (median and worst, us)."""
     first = {name: next((round(t, 3) for t, e, _ in events if e == name), None) for name in EVENTS}
     done = [t for t, e, _ in events if e == "llm_done"]
     starts = [(t, n) for t, e, n in events if e == "vocode_start"]
     pauses = [n for _, e, n in events if e in GC_EVENTS]
     gil = sorted(n for _, e, n in events if e == "gil")
+    launches = sorted(n for _, e, n in events if e == LAUNCH_EVENT)
     host = sum(n for _, e, n in events if e == "vocode_host_ms")
     wall = sum(n for _, e, n in events if e == "vocode_ms")
     return {**{f"first_{name}_s": t for name, t in first.items()},
@@ -163,4 +184,6 @@ def summary(events: list[tuple[float, str, int]]) -> dict[str, float | int | Non
             "vocode_host_share_pct": round(100 * host / wall, 1) if wall else None,
             "vocode_paired_starts": sum(1 for (a, _), (b, _) in zip(starts, starts[1:]) if b - a <= PAIRED_START_S),
             "vocode_tail_batches": [n for t, n in starts if done and t >= done[-1]],
-            **{f"{name}_total": sum(n for _, e, n in events if e == name) for name in LLM_HOST_EVENTS}}
+            **{f"{name}_total": sum(n for _, e, n in events if e == name) for name in LLM_HOST_EVENTS},
+            "llm_launch_us_median": launches[len(launches) // 2] if launches else None,
+            "llm_launch_us_max": launches[-1] if launches else None}

@@ -88,6 +88,7 @@ class _Rows:
         self.tokens = torch.zeros((rows, max_seq), dtype=torch.long, device=dev)  # (B, steps) decoded ids
         self.n_out = torch.zeros(rows, dtype=torch.long, device=dev)
         self.alive = torch.zeros(rows, dtype=torch.bool, device=dev)
+        self.scratch = torch.zeros(1, device=dev)  # timeline.launch_probe's one-element kernel
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.side = torch.cuda.Stream(dev) if dev.type == "cuda" else None  # copies that skip the queued steps
 
@@ -133,6 +134,11 @@ class _Rows:
             graph.replay()
         else:
             self.step(width)
+
+    @torch.inference_mode()
+    def touch(self) -> None:
+        """One tiny kernel on the current stream (timeline.launch_probe)."""
+        self.scratch.zero_()
 
     @torch.inference_mode()
     def fill(self, slots: list[int], requests: list[LlmRequest]) -> None:
@@ -326,10 +332,13 @@ class TorchLlmBackend(LlmBackend):
 
         def place(batch: list[tuple[object, LlmRequest]]) -> None:
             began = time.perf_counter()
+            timeline.launch_probe(state.touch)  # is the launch queue full? (timeline.LAUNCH_EVENT)
             for i, (_, r) in enumerate(batch):
                 self._check(i, r)
             slots = [b for b in range(state.rows) if b not in owner][: len(batch)]
+            filling = time.perf_counter()
             state.fill(slots, [r for _, r in batch])
+            timeline.event("llm_prefill_ms", round(1000 * (time.perf_counter() - filling)))
             for b, (key, r) in zip(slots, batch):
                 owner[b] = key
                 offset[b] = len(r.text_tokens) + len(r.prompt_speech_tokens) + 2 - s
