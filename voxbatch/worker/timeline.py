@@ -45,7 +45,8 @@ EVENTS = ("admit", "llm_session", "llm_refill", "vocoder_first_row", "llm_done",
 GC_EVENTS = ("gc1", "gc2")  # count = the pause in milliseconds
 # The LLM thread's host time (count = milliseconds) to take segments in (the pipeline's attempt count
 # and the engine's item for each) and to place them in cache rows (checks and prefill launches): no
-# decode step is launched meanwhile, so at a job's start these are GPU time lost.
+# decode step is launched meanwhile, so at a job's start these are GPU time lost. `llm_prefill_ms` is
+# the part of each `llm_place_ms` spent filling the rows (not to be added to it).
 LLM_HOST_EVENTS = ("llm_admit_ms", "llm_place_ms", "llm_prefill_ms")
 # How long the launch of one tiny kernel held the LLM thread at each placement (count = microseconds).
 # Why: a placement took 60-210 ms while the GIL was free (probe ~0.2 ms, py-spy's GIL holder sampled
@@ -130,7 +131,7 @@ def event(name: str, count: int = 0) -> None:
 
 def launch_probe(launch: Callable[[], object]) -> None:
     """LAUNCH_EVENT: how long `launch()` (one tiny kernel on the caller's stream) holds the calling
-    thread; not called when the timeline is off."""
+    thread; with the timeline off `launch` is not called at all."""
     if not log.isEnabledFor(logging.INFO):
         return
     began = time.perf_counter()
