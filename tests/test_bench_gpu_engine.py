@@ -115,9 +115,12 @@ def test_engine_repeats_alternate_the_order_and_keep_the_median(tmp_path, tiny_m
         assert t["admit_events"] >= 1 and t["llm_session_events"] >= 1 and t["vocode_end_events"] >= 1
         assert 0 <= t["first_admit_s"] <= t["first_llm_session_s"] <= t["first_vocoder_first_row_s"] <= t["first_vocode_start_s"]
         assert t["llm_admit_ms_total"] >= 0 and t["llm_place_ms_total"] >= 0
-        # Each placement's one-launch probe and its fill time (a part of the placement's).
+        # Each placement's one-launch probe, its fill time and the thread's CPU time (parts of the
+        # placement's wall time, each rounded to the millisecond per placement).
         assert t["llm_launch_us_max"] is not None and 0 <= t["llm_launch_us_median"] <= t["llm_launch_us_max"]
-        assert 0 <= t["llm_prefill_ms_total"] <= t["llm_place_ms_total"] + t["llm_session_events"] + t.get("llm_refill_events", 0)
+        placements = t["llm_session_events"] + t["llm_refill_events"]
+        assert 0 <= t["llm_prefill_ms_total"] <= t["llm_place_ms_total"] + placements
+        assert 0 <= t["llm_place_cpu_ms_total"] <= t["llm_place_ms_total"] + placements
         # The LLM ran out of work before the job's end: from there flow/HiFT alone (the vocoder-only tail).
         assert t["first_llm_session_s"] <= t["last_llm_done_s"] <= run["wall_s"]
         assert run["vocoder_tail_s"] == pytest.approx(run["wall_s"] - t["last_llm_done_s"], abs=0.01)

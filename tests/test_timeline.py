@@ -132,15 +132,17 @@ def test_llm_thread_host_time_is_summed_and_recorded_in_process():
         timeline.event("llm_admit_ms", 12)
         timeline.launch_probe(lambda: time.sleep(0.002))  # a launch that held the thread >= 2 ms
         timeline.event("llm_place_ms", 5)
+        timeline.event("llm_place_cpu_ms", 3)
         timeline.event("llm_prefill_ms", 4)
         timeline.launch_probe(lambda: None)
         timeline.launch_probe(lambda: None)
         timeline.event("llm_admit_ms", 30)
     timeline.event("llm_admit_ms", 999)  # after the block: not recorded, not logged
     timeline.launch_probe(lambda: pytest.fail("the probe runs only while the timeline is on"))
-    assert len(lines) == 7 and not timeline.log.isEnabledFor(logging.INFO)
+    assert len(lines) == 8 and not timeline.log.isEnabledFor(logging.INFO)
     t0 = float(lines[0].rsplit(" ", 1)[1])
     s = timeline.summary(timeline.read(lines, t0, t0 + 60))
     assert s["llm_admit_ms_total"] == 42 and s["llm_place_ms_total"] == 5 and s["llm_prefill_ms_total"] == 4
+    assert s["llm_place_cpu_ms_total"] == 3
     assert s["llm_launch_us_max"] >= 2000 > s["llm_launch_us_median"]  # the held launch is the worst of three
     assert timeline.summary([])["llm_admit_ms_total"] == 0 and timeline.summary([])["llm_launch_us_max"] is None

@@ -23,9 +23,10 @@ want it when it is not). `vocode_host_ms <ms>` is how
 long a flow/HiFT batch took to queue all its GPU work (the host's part, GIL waits included) and
 `vocode_ms <ms>` its whole wall time: a batch whose host part is most of its wall time kept its
 stream short of work. `llm_admit_ms` and `llm_place_ms` are the LLM thread's host time to take
-segments in and to place them in cache rows (LLM_HOST_EVENTS); `llm_prefill_ms` is the part of a
-placement spent filling the rows (the prefill's launches, the rows' state and sampler reset), and
-`llm_launch_us` how long one tiny kernel's launch held the LLM thread just before it (`launch_probe`).
+segments in and to place them in cache rows (LLM_HOST_EVENTS); `llm_place_cpu_ms` is the LLM thread's
+CPU time over a placement (far below its wall time when it waits, for the GIL or the launch queue),
+`llm_prefill_ms` the part spent filling the rows (the prefill's launches, the rows' state and sampler
+reset), and `llm_launch_us` how long one tiny kernel's launch held the thread just before (`launch_probe`).
 """
 
 from __future__ import annotations
@@ -45,15 +46,17 @@ EVENTS = ("admit", "llm_session", "llm_refill", "vocoder_first_row", "llm_done",
 GC_EVENTS = ("gc1", "gc2")  # count = the pause in milliseconds
 # The LLM thread's host time (count = milliseconds) to take segments in (the pipeline's attempt count
 # and the engine's item for each) and to place them in cache rows (checks and prefill launches): no
-# decode step is launched meanwhile, so at a job's start these are GPU time lost. `llm_prefill_ms` is
-# the part of each `llm_place_ms` spent filling the rows (not to be added to it).
-LLM_HOST_EVENTS = ("llm_admit_ms", "llm_place_ms", "llm_prefill_ms")
-# How long the launch of one tiny kernel held the LLM thread at each placement (count = microseconds).
-# Why: a placement took 60-210 ms while the GIL was free (probe ~0.2 ms, py-spy's GIL holder sampled
-# in at most a seventh of the slots; bench/results/gpu_h100_s38_torch_gil.json), so the time goes to
-# launches or blocking CUDA calls. A launch returns in a few microseconds unless the launch queue is
-# full (the vocoder threads launch until it blocks them); then it waits for queued kernels to retire,
-# and so does every launch of the prefill.
+# decode step is launched meanwhile, so at a job's start these are GPU time lost. `llm_place_cpu_ms` is
+# the thread's CPU time over each placement and `llm_prefill_ms` the part of it spent filling the rows:
+# both are parts of `llm_place_ms`, not to be added to it.
+LLM_HOST_EVENTS = ("llm_admit_ms", "llm_place_ms", "llm_place_cpu_ms", "llm_prefill_ms")
+# How long the launch of one tiny kernel held the LLM thread at each placement (count = microseconds),
+# beside `llm_place_cpu_ms`, the thread's CPU time over the placement. Why: placements took 60-210 ms
+# while the GIL was mostly free (the probe ~0.2 ms, py-spy's GIL holder sampled in at most a seventh
+# of the slots; bench/results/gpu_h100_s38_torch_gil.json). Two causes fit: the GIL taken back after
+# each of a placement's ~1,000 op calls (torch releases it inside each), ~80 us of wait apiece, or a
+# launch queue the vocoder threads keep full, behind which every launch waits for kernels to retire.
+# A launch returns in microseconds when the queue has room; waiting (for either) costs no CPU time.
 LAUNCH_EVENT = "llm_launch_us"
 # A flow batch that replayed a step graph kept for its shape, or captured one (flow.STEP_GRAPH_CACHE;
 # count = the batch's rows as run): how often the cache pays, since a capture costs the host an eager

@@ -331,7 +331,7 @@ class TorchLlmBackend(LlmBackend):
         s = 0
 
         def place(batch: list[tuple[object, LlmRequest]]) -> None:
-            began = time.perf_counter()
+            began, cpu = time.perf_counter(), time.thread_time()
             timeline.launch_probe(state.touch)  # is the launch queue full? (timeline.LAUNCH_EVENT)
             for i, (_, r) in enumerate(batch):
                 self._check(i, r)
@@ -345,6 +345,7 @@ class TorchLlmBackend(LlmBackend):
                 placed[b] = s
                 ends.add(s + r.max_tokens)
             timeline.event("llm_place_ms", round(1000 * (time.perf_counter() - began)))  # checks + prefill launches
+            timeline.event("llm_place_cpu_ms", round(1000 * (time.thread_time() - cpu)))  # this thread's CPU time in it
 
         place(first)
         timeline.event("llm_session", len(first))
