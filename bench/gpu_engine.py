@@ -405,8 +405,9 @@ RUN_KEYS = {"rows": "engine_max_batch", "flow": "engine_flow_batch", "task": "ba
             "inflight": "worker_inflight_segments", "upload": "upload_threads",
             "format": "output_format", "gil": "gil_switch_interval_ms", "vocoders": "engine_vocoder_threads",
             "backend": "llm_backend", "process": "vllm_engine_process", "async": "vllm_async_scheduling",
-            "vgraphs": "vllm_cudagraph_max_tokens", "vmode": "vllm_cudagraph_mode", "vgroup": "vllm_admit_group"}
-VLLM_RUN_KEYS = ("process", "async", "vgraphs", "vmode", "vgroup")  # the keys a --vllm-runs spec may set
+            "vgraphs": "vllm_cudagraph_max_tokens", "vmode": "vllm_cudagraph_mode", "vgroup": "vllm_admit_group",
+            "vpriority": "vllm_stream_priority", "vengines": "vllm_engines"}
+VLLM_RUN_KEYS = ("process", "async", "vgraphs", "vmode", "vgroup", "vpriority", "vengines")  # the keys a --vllm-runs spec may set
 
 
 def parse_run(spec: str, switches: bool = False) -> dict[str, str]:
@@ -450,7 +451,7 @@ def vllm_run(spec: str) -> dict:
     s = Settings(**{RUN_KEYS[k]: v for k, v in run.items()})
     return {"engine_process": s.vllm_engine_process, "async_scheduling": s.vllm_async_scheduling,
             "cudagraph_max_tokens": s.vllm_cudagraph_max_tokens, "cudagraph_mode": s.vllm_cudagraph_mode,
-            "admit_group": s.vllm_admit_group}
+            "admit_group": s.vllm_admit_group, "stream_priority": s.vllm_stream_priority, "engines": s.vllm_engines}
 
 
 def engine_order(specs: list[str], repeats: int) -> list[str]:

@@ -90,6 +90,29 @@ def test_parts_ab_of_a_switch_the_parts_stage_does_not_vary_is_an_error(tmp_path
     assert out.returncode == 2 and "rope is not a flow or HiFT switch" in out.stderr
 
 
+def test_vllm_run_specs_read_every_vllm_option_through_settings():
+    """A --vllm-runs spec reaches VllmOptions through Settings (types and bounds as a worker reads them):
+    every key it may set lands in an option, and a key outside them or a value out of bounds is refused."""
+    script = (
+        "import json; from bench.gpu_engine import VLLM_RUN_KEYS, vllm_run\n"
+        "print(json.dumps([len(VLLM_RUN_KEYS), vllm_run('process=0,async=1,vgraphs=1024,vmode=PIECEWISE,vgroup=16,vpriority=-1,vengines=2'),"
+        " vllm_run('shipped')]))\n"
+        "for bad in ('rows=8', 'vpriority=3'):\n"
+        "    try:\n        vllm_run(bad)\n    except (SystemExit, ValueError) as e:\n        print(bad, '->', str(e).splitlines()[0:3])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    first, *refused = out.stdout.splitlines()
+    n_keys, opts, shipped = json.loads(first)
+    assert opts == {"engine_process": False, "async_scheduling": True, "cudagraph_max_tokens": 1024,
+                    "cudagraph_mode": "PIECEWISE", "admit_group": 16, "stream_priority": -1, "engines": 2}
+    assert n_keys == len(opts) and shipped.pop("engines") == 1 and set(shipped.values()) == {None}
+    assert refused[0].startswith("rows=8 ->") and "not vLLM options" in refused[0]
+    # CUDA priorities run from 0 (the default) to -5 (most urgent): 3 is out of the setting's bounds
+    assert refused[1].startswith("vpriority=3 ->") and "vllm_stream_priority" in refused[1]
+
+
 def test_repeated_engine_configuration_is_an_error(tmp_path):
     out = bench(tmp_path, "--tiny", "--device", "cpu", "--stages", "engine", "--engine-runs", "task=2", "task=2", timeout=120)
     assert out.returncode == 2 and "--engine-repeats" in out.stderr

@@ -711,3 +711,58 @@ def test_engine_core_in_its_own_process_draws_the_same_tokens(tiny_model_dir, ba
     for p in getattr(proc, "processes", []):
         p.join(timeout=30)
         assert not p.is_alive(), "the engine-core process outlived close()"
+
+
+def test_model_stream_priority_is_set_where_the_model_steps(tiny_model_dir, backend, ref, max_model_len, tmp_path):
+    """`stream_priority` (settings.vllm_stream_priority): the worker extension reaches the thread that runs
+    the model's steps (the engine core's loop in its own process, the GPU default) and moves vLLM's stream
+    there: on CUDA it then has the priority asked for, on CPU there are no streams and it says so. The
+    tokens are the default engine's. (In its own process: a second in-process engine would share, and
+    on close tear down, the module engine's vLLM state.)"""
+    _vllm_or_skip()
+    from voxbatch.worker.cosyvoice2.vllm_backend import STREAM_EXTENSION, VllmLlmBackend, VllmOptions, plugin_installed
+
+    if not plugin_installed():
+        pytest.skip("voxbatch is not installed (pip install -e .): no vllm.general_plugins entry point for the engine-core process")
+    reqs = _three_copies(ref, greedy=False)
+    expected = {r.index: r.tokens for r in backend.generate(reqs)}
+    b = VllmLlmBackend(tiny_model_dir, VllmOptions(max_model_len=max_model_len, max_num_seqs=8, export_cache_dir=str(tmp_path),
+                                                   dtype="float32", stream_priority=-1, engine_process=True))
+    try:
+        assert b.engine.vllm_config.parallel_config.worker_extension_cls == STREAM_EXTENSION
+        assert {r.index: r.tokens for r in b.generate(reqs)} == expected
+        assert b.stream_rpc == ([-1] if torch.cuda.is_available() else [None])  # set before the first step
+    finally:
+        b.close()
+    assert backend.engine.vllm_config.parallel_config.worker_extension_cls == ""  # unset: vLLM's own stream
+
+
+def test_two_engines_share_the_rows_and_draw_the_same_tokens(tiny_model_dir, backend, ref, max_model_len, tmp_path):
+    """`engines=2` (settings.vllm_engines): two engine cores, each in its own spawned process with half the
+    rows, take the 12 requests between them (each request to the engine holding fewer) and give the one
+    engine's tokens; `stream` (the worker's path) too. Several engines in one process are refused."""
+    _vllm_or_skip()
+    from voxbatch.worker.cosyvoice2.llm_backend import ListFeed
+    from voxbatch.worker.cosyvoice2.vllm_backend import VllmLlmBackend, VllmOptions, plugin_installed
+
+    reqs = _three_copies(ref, greedy=False)
+    with pytest.raises(ValueError, match="own process"):
+        VllmLlmBackend(tiny_model_dir, VllmOptions(max_model_len=max_model_len, max_num_seqs=8, export_cache_dir=str(tmp_path),
+                                                   dtype="float32", engines=2, engine_process=False))
+    if not plugin_installed():
+        pytest.skip("voxbatch is not installed (pip install -e .): no vllm.general_plugins entry point for the engine-core process")
+    expected = {r.index: r.tokens for r in backend.generate(reqs)}
+    two = VllmLlmBackend(tiny_model_dir, VllmOptions(max_model_len=max_model_len, max_num_seqs=8, export_cache_dir=str(tmp_path),
+                                                     dtype="float32", engines=2, engine_process=True))
+    try:
+        assert len(two.drivers) == 2 and two.engine_options().max_num_seqs == 4
+        taken = []
+        for d in two.drivers:
+            add = d.engine.add_request
+            d.engine.add_request = lambda *a, _add=add, _d=d, **k: (taken.append(_d), _add(*a, **k))[1]
+        assert {r.index: r.tokens for r in two.generate(reqs)} == expected
+        assert {id(d) for d in taken} == {id(d) for d in two.drivers} and len(taken) == len(reqs)
+        assert dict(two.stream(ListFeed(reqs))) == expected
+        assert all(d.load() == 0 for d in two.drivers)  # every request left its engine
+    finally:
+        two.close()

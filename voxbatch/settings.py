@@ -100,6 +100,19 @@ class Settings(BaseSettings):
     # 16.5k vs 14.4k and (A B A B) 15.4k, 16.3k vs 13.2k, 12.3k with the core in its own process
     # (bench/results/gpu_h200_s37c_vllm.json, gpu_h200_s37d_vllm.json).
     vllm_admit_group: int | None = Field(None, ge=1)
+    # CUDA stream priority of vLLM's model steps (lower is more urgent; flow/HiFT run at 0, the torch
+    # backend's decode step at -1). None: vLLM's own stream, at 0 beside flow/HiFT. Why it might pay:
+    # the worker on vLLM kept the GPU 58-69% busy in its LLM phase against 94% on torch, whose step
+    # runs above the vocoder's streams (bench/results/gpu_h100_s38b_vllm_worker.json). Not measured
+    # yet: unset until a worker A/B on a GPU (bench run key `vpriority`, e.g. `vpriority=-1`).
+    vllm_stream_priority: int | None = Field(None, ge=-5, le=0)
+    # vLLM engines sharing the GPU, each with its own core process, engine_max_batch / this many rows
+    # and that share of vllm_gpu_memory_utilization; each segment goes to the engine holding the fewest.
+    # Why it might pay: a vLLM step at 256 rows is ~10 ms of which ~3 ms is GPU work, the rest one
+    # Python thread (bench/results/gpu_h100_s37_vllm_pyspy.txt); two cores do that host work side by
+    # side. Needs the cores in their own processes (vllm_engine_process). Not measured yet: 1 until a
+    # worker A/B on a GPU (bench run key `vengines`, e.g. `vengines=2`).
+    vllm_engines: int = Field(1, ge=1, le=8)
     # Most segments the engine decodes at once (the torch backend's KV-cache rows, vLLM's max_num_seqs).
     # None: the engine picks (`llm_rows`, voxbatch/worker/cosyvoice2/engine.py): 256 with the LLM on
     # a GPU, the fastest measured (bench/results/gpu_h200_worker.json), halved until the torch

@@ -13,6 +13,12 @@ finishes, so concurrent callers share one continuously batched engine; `stream()
 takes work from the intake whenever rows are free, across task boundaries. Freed rows are refilled in
 groups (`admission_group`), so prompts are prefilled a few at a time in batched steps.
 
+Several engines may share the GPU (`VllmOptions.engines`), each with its own core process, driver
+thread, share of the rows and of the memory; each request goes to the engine holding the fewest. Why:
+a vLLM step at 256 rows is ~10 ms of which ~3 ms is GPU work, the rest one Python thread's
+scheduling and bookkeeping (bench/results/gpu_h100_s37_vllm_pyspy.txt); two cores run that host work
+side by side while each other's kernels keep the GPU busy.
+
 Where the engine core runs (`VllmOptions.engine_process`): on a GPU in a process of its own, as
 vLLM runs it by default. There its scheduler, input preparation and the model's launches hold no
 GIL that this process's flow/HiFT threads and upload threads want, and it steps on while this
@@ -31,7 +37,7 @@ import os
 import queue
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +109,8 @@ class VllmOptions:
     cudagraph_max_tokens: int | None = None
     cudagraph_mode: str | None = None  # vLLM's CUDAGraphMode name (settings.vllm_cudagraph_mode); None: vLLM's
     admit_group: int | None = None  # requests handed to vLLM once this many rows are free; None: max_num_seqs // 8 (settings.vllm_admit_group)
+    stream_priority: int | None = None  # CUDA priority of the model's stream (vllm_model.StreamPriority); None: vLLM's stream
+    engines: int = 1  # engines sharing the GPU, each with its own core process, max_num_seqs // engines rows and memory share
 
 
 class _Job:
@@ -134,13 +142,19 @@ class VllmLlmBackend(LlmBackend):
         self.embedder = PromptEmbedder(model_dir, self.dims)
         folder = export_for_vllm(model_dir, self.options.export_cache_dir)
         vllm_model.register()
-        self._threads = torch.get_num_threads()  # the process's intra-op threads, for the driver thread
-        self.engine, self.dtype = _build_engine(folder, self.options)
-        self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._threads = torch.get_num_threads()  # the process's intra-op threads, for the driver threads
         self._ids = itertools.count()
-        self._failed: BaseException | None = None
-        self._driver = threading.Thread(target=self._drive, name="vllm-driver", daemon=True)
-        self._driver.start()
+        n = self.options.engines
+        if n < 1 or self.options.max_num_seqs < n:
+            raise ValueError(f"vllm: {n} engines for {self.options.max_num_seqs} rows (at least one row each)")
+        self.drivers: list[_Driver] = []
+        try:
+            for i in range(n):
+                engine, self.dtype = _build_engine(folder, self.engine_options(), require_own_process=n > 1)
+                self.drivers.append(_Driver(self, engine, i))
+        except BaseException:
+            self.close()
+            raise
 
     @classmethod
     def from_settings(cls, settings: Any) -> VllmLlmBackend:
@@ -161,6 +175,8 @@ class VllmLlmBackend(LlmBackend):
             cudagraph_max_tokens=settings.vllm_cudagraph_max_tokens,
             cudagraph_mode=settings.vllm_cudagraph_mode,
             admit_group=settings.vllm_admit_group,
+            stream_priority=settings.vllm_stream_priority,
+            engines=settings.vllm_engines,
         )
         return cls(settings.model_dir, options)
 
@@ -173,6 +189,25 @@ class VllmLlmBackend(LlmBackend):
     def max_seq(self) -> int:
         """Positions one request may use (prompt + generated); the engine caps max_tokens to fit."""
         return self.options.max_model_len
+
+    @property
+    def engine(self) -> Any:
+        """The (first) vLLM engine."""
+        return self.drivers[0].engine
+
+    @property
+    def stream_rpc(self) -> list | None:
+        """What StreamPriority answered in each engine, once every driver has asked (None before)."""
+        answers = [d.stream_rpc for d in self.drivers]
+        return None if any(a is None for a in answers) else [x for a in answers for x in a]
+
+    def engine_options(self) -> VllmOptions:
+        """One engine's options: its share of the rows and of the GPU memory."""
+        n = self.options.engines
+        if n == 1:
+            return self.options
+        return replace(self.options, max_num_seqs=self.options.max_num_seqs // n,
+                       gpu_memory_utilization=self.options.gpu_memory_utilization / n)
 
     # -- the caller side ---------------------------------------------------------------------------
 
@@ -192,7 +227,7 @@ class VllmLlmBackend(LlmBackend):
                     yield item
         finally:
             if done < len(requests):  # caller stopped early: free the engine slots
-                self._inbox.put(("abort", ids))
+                self._abort(ids)
 
     def stream(self, feed: Feed) -> Iterator[tuple[object, list[int]]]:
         """Continuous batching across the feed's task boundaries, as the torch backend does it: work is
@@ -230,7 +265,7 @@ class VllmLlmBackend(LlmBackend):
                     yield key, item.tokens
         finally:
             if inflight:  # the caller stopped early or a request failed: free the engine slots
-                self._inbox.put(("abort", [rid for _, rid in inflight.values()]))
+                self._abort([rid for _, rid in inflight.values()])
 
     def _take(self, feed: Feed, decoding: int, group: int) -> list[tuple[object, LlmRequest]] | None:
         """What the feed gives for the free rows: with nothing decoding, whatever comes (waiting a
@@ -254,21 +289,42 @@ class VllmLlmBackend(LlmBackend):
             )
 
     def _submit(self, job: _Job, requests: list[LlmRequest], indices: list[int]) -> list[str]:
-        """Hand checked requests to the driver thread; their results reach `job` under `indices`."""
-        if self._failed is not None:
-            raise RuntimeError("the vLLM engine failed earlier") from self._failed
+        """Hand checked requests to the driver threads, dealt out in turn (one engine: all to it); their
+        results reach `job` under `indices`."""
+        for d in self.drivers:
+            if d.failed is not None:
+                raise RuntimeError("the vLLM engine failed earlier") from d.failed
         ids = [f"r{next(self._ids)}" for _ in requests]
         items = [(rid, {"prompt_embeds": self.embedder(r).to(self.dtype)}, self._sampling_params(r)) for rid, r in zip(ids, requests)]
-        self._inbox.put(("add", (job, dict(zip(ids, indices)), items)))
+        index_of = dict(zip(ids, indices))
+        if len(self.drivers) == 1:
+            self.drivers[0].send(job, index_of, items)
+            return ids
+        # Each request to the engine with the fewest requests held or on their way to it.
+        load = [d.load() for d in self.drivers]
+        dealt: list[list] = [[] for _ in self.drivers]
+        for item in items:
+            k = min(range(len(load)), key=load.__getitem__)
+            dealt[k].append(item)
+            load[k] += 1
+        for d, mine in zip(self.drivers, dealt):
+            if mine:
+                d.send(job, index_of, mine)
         return ids
 
+    def _abort(self, ids: list[str]) -> None:
+        """Take these requests out of whichever engine or queue holds them."""
+        for d in self.drivers:
+            d.inbox.put(("abort", ids))
+
     def _next_result(self, job: _Job, timeout: float) -> LlmResult | None:
-        """The next finished request of `job`, or None after `timeout`; raises if the engine failed."""
+        """The next finished request of `job`, or None after `timeout`; raises if an engine failed."""
         try:
             item = job.results.get(timeout=timeout)
         except queue.Empty:
-            if not self._driver.is_alive():  # stopped or failed before taking this call
-                raise RuntimeError("the vLLM driver thread is not running") from self._failed
+            for d in self.drivers:
+                if not d.thread.is_alive():  # stopped or failed before taking this call
+                    raise RuntimeError("the vLLM driver thread is not running") from d.failed
             return None
         if isinstance(item, BaseException):
             raise RuntimeError(f"vLLM failed on this batch: {item}") from item
@@ -303,29 +359,70 @@ class VllmLlmBackend(LlmBackend):
         )
 
     def close(self) -> None:
-        """Stop the driver thread and the engine core (frees the KV cache)."""
-        if self._driver.is_alive():
-            self._inbox.put(("stop", None))
-            self._driver.join(timeout=60)
+        """Stop the driver threads and the engine cores (frees the KV caches)."""
+        for d in getattr(self, "drivers", []):
+            d.close()
+
+
+class _Driver:
+    """One vLLM engine and the thread that owns it: the only caller of its add_request / step loop.
+    Requests come through `inbox` ("add", "abort", "stop"); results go to each call's `_Job`."""
+
+    def __init__(self, backend: VllmLlmBackend, engine: Any, number: int):
+        self.backend, self.engine = backend, engine
+        self.inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self.failed: BaseException | None = None
+        self.stream_rpc: list | None = None  # what StreamPriority answered, once this driver asked it
+        self.held = 0  # requests in the engine or in the driver's queue (the driver thread's count)
+        self.unseen = 0  # requests sent and not yet taken from the inbox
+        self._lock = threading.Lock()
+        self.thread = threading.Thread(target=self._drive, name=f"vllm-driver-{number}", daemon=True)
+        self.thread.start()
+
+    def send(self, job: _Job, index_of: dict[str, int], items: list) -> None:
+        with self._lock:
+            self.unseen += len(items)
+        self.inbox.put(("add", (job, index_of, items)))
+
+    def load(self) -> int:
+        """Requests this engine holds or will: where a multi-engine backend sends the next one."""
+        return self.held + self.unseen
+
+    def close(self) -> None:
+        if self.thread.is_alive():
+            self.inbox.put(("stop", None))
+            self.thread.join(timeout=60)
         core = getattr(self.engine, "engine_core", None)
         if core is not None and hasattr(core, "shutdown"):
             core.shutdown()
 
-    # -- the driver thread -------------------------------------------------------------------------
+    def _use_stream_priority(self, priority: int) -> None:
+        """Put the model's steps on a CUDA stream of `priority` (vllm_model.StreamPriority), from the driver
+        thread: an in-process engine steps in this thread, an own-process core in its loop's. A failure
+        leaves vLLM's own stream, with a warning: the engine works either way."""
+        try:
+            got = self.engine.collective_rpc("voxbatch_stream_priority", args=(priority,))
+        except Exception as e:  # noqa: BLE001
+            log.warning("vllm: the model's stream stays vLLM's (%s: %s)", type(e).__name__, e)
+            return
+        self.stream_rpc = got
+        log.info("vllm: the model's CUDA stream priority is now %s (asked %d; None: no CUDA streams)", got, priority)
 
     def _drive(self) -> None:
         # A new thread starts with OpenMP's default thread count, not the one torch.set_num_threads gave
         # the process; vLLM's CPU attention plans its work split with the former and checks it against
         # the latter ("thread_num == thread_num (2 vs. 1)" on a long prompt). torch._C's own setter:
         # vLLM's CPU worker replaces torch.set_num_threads with a no-op.
-        torch._C.set_num_threads(self._threads)
+        torch._C.set_num_threads(self.backend._threads)
+        if self.backend.options.stream_priority is not None:
+            self._use_stream_priority(self.backend.options.stream_priority)
         owners: dict[str, tuple[_Job, int]] = {}  # requests in the engine -> their call and index
         pending: collections.deque[_Pending] = collections.deque()  # held back until a group's rows are free
-        stop_ids = set(self.dims.stop_ids)
+        stop_ids = set(self.backend.dims.stop_ids)
         while True:
             idle = not self.engine.has_unfinished_requests() and not pending
             try:
-                msg = self._inbox.get(block=idle)
+                msg = self.inbox.get(block=idle)
             except queue.Empty:
                 msg = None
             while msg is not None:
@@ -335,6 +432,9 @@ class VllmLlmBackend(LlmBackend):
                 if kind == "add":
                     job, index_of, items = payload
                     pending.extend(_Pending(job, index_of[rid], rid, prompt, params) for rid, prompt, params in items)
+                    with self._lock:
+                        self.unseen -= len(items)
+                        self.held = len(owners) + len(pending)
                 elif kind == "abort":
                     ids = set(payload)
                     if any(p.rid in ids for p in pending):
@@ -345,17 +445,18 @@ class VllmLlmBackend(LlmBackend):
                     if live:
                         self.engine.abort_request(live)
                 try:
-                    msg = self._inbox.get_nowait()
+                    msg = self.inbox.get_nowait()
                 except queue.Empty:
                     msg = None
             pending = self._admit(pending, owners)
+            self.held = len(owners) + len(pending)
             if not self.engine.has_unfinished_requests():
                 continue
             try:
                 outputs = self.engine.step()
             except Exception as e:  # noqa: BLE001 - handed to every waiting caller, then the loop ends
                 log.exception("vLLM engine step failed")
-                self._failed = e
+                self.failed = e
                 for job, _ in owners.values():
                     job.results.put(e)
                 return
@@ -367,14 +468,16 @@ class VllmLlmBackend(LlmBackend):
                 if tokens and tokens[-1] in stop_ids:  # the stop token is never a speech token
                     tokens.pop()
                 job.results.put(LlmResult(index=index, tokens=tokens))
+            self.held = len(owners) + len(pending)
 
     def _admit(self, pending: collections.deque[_Pending], owners: dict[str, tuple[_Job, int]]) -> collections.deque[_Pending]:
         """Hand waiting requests to the engine: all of them at once with a group of 1 (vLLM fills a
         freed row at its next step); else once `admit_group` rows are free, or as many as wait when
         fewer do and fit, so their prompts are prefilled together. A request the engine rejects fails
         its own call: that call's other requests leave the engine and the queue. Returns what still waits."""
-        group = admission_group(self.options)
-        free = len(pending) if group <= 1 else self.options.max_num_seqs - len(owners)
+        options = self.backend.engine_options()
+        group = admission_group(options)
+        free = len(pending) if group <= 1 else options.max_num_seqs - len(owners)
         if not group_fits(free, len(pending), group):
             return pending
         failed: set[int] = set()
@@ -399,6 +502,7 @@ class VllmLlmBackend(LlmBackend):
 
 
 PLUGIN = "voxbatch.worker.cosyvoice2.vllm_model:register"
+STREAM_EXTENSION = "voxbatch.worker.cosyvoice2.vllm_model.StreamPriority"  # VllmOptions.stream_priority
 
 
 def admission_group(options: VllmOptions) -> int:
@@ -450,9 +554,10 @@ def start_core_by_spawning() -> None:
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 
 
-def _build_engine(folder: Path, options: VllmOptions) -> tuple[Any, torch.dtype]:
+def _build_engine(folder: Path, options: VllmOptions, require_own_process: bool = False) -> tuple[Any, torch.dtype]:
     """A vLLM engine for the exported folder, with the RAS logits processor; its core in this process
-    or in its own (`engine_in_own_process`)."""
+    or in its own (`engine_in_own_process`; `require_own_process`: or not at all, for one of several
+    engines, which would share this process's vLLM state)."""
     from vllm.engine.arg_utils import EngineArgs
     from vllm.platforms import current_platform
     from vllm.v1.engine.llm_engine import LLMEngine
@@ -498,7 +603,12 @@ def _build_engine(folder: Path, options: VllmOptions) -> tuple[Any, torch.dtype]
         compilation["cudagraph_mode"] = options.cudagraph_mode
     if compilation:
         kwargs["compilation_config"] = compilation
+    if options.stream_priority is not None:
+        kwargs["worker_extension_cls"] = STREAM_EXTENSION
     own_process = engine_in_own_process(options, on_cpu)
+    if require_own_process and not own_process:
+        raise ValueError(f"vllm: {options.engines} engines need each core in its own process "
+                         "(vllm_engine_process true, and voxbatch installed for its plugin entry point)")
     if own_process:
         start_core_by_spawning()
     vllm_config = EngineArgs(**kwargs).create_engine_config()

@@ -92,3 +92,33 @@ def register() -> None:
         raise RuntimeError(f"exporter writes {EXPORTED!r} but the model registers {ARCHITECTURE!r}")
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCHITECTURE, CosyVoice2SpeechLM)
+
+
+class StreamPriority:
+    """A vLLM worker extension (`ParallelConfig.worker_extension_cls`): the model's CUDA stream at a
+    given priority, set through `collective_rpc` in the thread that runs the model's steps (the engine
+    core's loop in its own process, or the driver thread of an in-process engine).
+
+    Why: flow/HiFT run beside the LLM on streams of priority 0, vLLM's own stream. The torch backend's
+    decode step goes on a stream above them (streaming.LLM_STREAM_PRIORITY), so its small kernels take
+    SMs as flow/HiFT blocks retire; vLLM's steps queue behind whole flow kernels instead, and each of
+    its steps waits for its sampled tokens before the next is scheduled. The worker on vLLM kept the
+    GPU 58-69% busy in its LLM phase against 94% on torch (bench/results/gpu_h100_s38b_vllm_worker.json)."""
+
+    def voxbatch_stream_priority(self, priority: int) -> int | None:
+        """Move vLLM's current stream for this thread to a new one of `priority`, ordered after the old
+        one's work; returns the priority vLLM's stream now has, None where there are no CUDA streams."""
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cuda():
+            return None
+        try:  # vLLM's own record of the thread's stream, kept by its patched torch.cuda.set_stream
+            from vllm.utils.torch_utils import current_stream
+        except ImportError:  # before vLLM 0.11
+            from vllm.utils import current_stream
+        old = current_stream()
+        new = torch.cuda.Stream(device=old.device, priority=priority)
+        new.wait_stream(old)
+        torch.cuda.set_stream(new)
+        self.voxbatch_stream = new  # type: ignore[attr-defined]  # kept alive with the worker
+        return current_stream().priority
