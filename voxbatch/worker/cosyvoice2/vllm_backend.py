@@ -289,18 +289,14 @@ class VllmLlmBackend(LlmBackend):
             )
 
     def _submit(self, job: _Job, requests: list[LlmRequest], indices: list[int]) -> list[str]:
-        """Hand checked requests to the driver threads, dealt out in turn (one engine: all to it); their
-        results reach `job` under `indices`."""
+        """Hand checked requests to the driver threads, each to the engine holding the fewest requests
+        (held, or on their way to it); their results reach `job` under `indices`."""
         for d in self.drivers:
             if d.failed is not None:
                 raise RuntimeError("the vLLM engine failed earlier") from d.failed
         ids = [f"r{next(self._ids)}" for _ in requests]
         items = [(rid, {"prompt_embeds": self.embedder(r).to(self.dtype)}, self._sampling_params(r)) for rid, r in zip(ids, requests)]
         index_of = dict(zip(ids, indices))
-        if len(self.drivers) == 1:
-            self.drivers[0].send(job, index_of, items)
-            return ids
-        # Each request to the engine with the fewest requests held or on their way to it.
         load = [d.load() for d in self.drivers]
         dealt: list[list] = [[] for _ in self.drivers]
         for item in items:
