@@ -1090,6 +1090,11 @@ class Bench:
                       f"{res.get('gpu_busy_pct_vocoder_tail')}% over the {res.get('vocoder_tail_s')} s after the LLM's last row, "
                       f"{res['timeline']['vocode_paired_starts']} paired batch starts), "
                       f"done {res['done']}, failed {res['failed']}", flush=True)
+                t = res["timeline"]
+                if t["llm_launch_us_max"] is not None:  # the torch backend's placements (timeline.LAUNCH_EVENT)
+                    print(f"    LLM placements: {t['llm_place_ms_total']} ms wall, {t['llm_place_cpu_ms_total']} ms CPU, "
+                          f"{t['llm_prefill_ms_total']} ms filling rows; one launch {t['llm_launch_us_median']} us median, "
+                          f"{t['llm_launch_us_max']} us worst; GIL probe {t['gil_wait_us_mean']} us mean", flush=True)
                 if res["failed"]:
                     raise RuntimeError(f"worker run with tasks of {size}: {res['failed']} segments failed: {res['errors']}")
             if trace_dir is not None:

@@ -216,6 +216,9 @@ def test_worker_ab_runs_each_variant_between_two_runs_of_the_first(tmp_path, tin
     assert second["env"]["VOXBATCH_UPLOAD_THREADS"] == "1"
     for r in [*ab["a_runs"], first["run"], second["run"]]:
         assert r["done"] == r["segments"] == 4 and r["failed"] == 0
+        # The worker's torch LLM placements, read back from its timeline and printed per job.
+        assert r["timeline"]["llm_launch_us_max"] is not None and r["timeline"]["llm_place_cpu_ms_total"] >= 0
+    assert out.stdout.count("LLM placements:") == 4, out.stdout[-3000:]
     assert all(v["over_a_mean"] > 0 for v in ab["variants"])
     assert {"ab_worker.log", "ab_ab1_worker.log", "ab_ab2_worker.log", "ab_ab_again_worker.log"} <= {p.name for p in tmp_path.iterdir()}
     assert "voxbatch worker A/B (A B1 B2 A)" in (tmp_path / "ab.md").read_text()
