@@ -10,6 +10,7 @@ as Redis records them; GPU utilisation is sampled (nvidia-smi) over exactly that
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -18,6 +19,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+# The line `voxbatch worker`'s supervisor (voxbatch/worker/launcher.py) writes when a worker process dies
+# and is started again. One that dies while starting dies again: a forked vLLM core did, in a loop, until
+# the bench's 300 s wait ran out (bench/results/gpu_h100_s38_vllm_worker_log.txt).
+RESTARTED = re.compile(r"voxbatch: worker for GPU \S+ exited with -?\d+; restarting in")
 
 
 def free_port() -> int:
@@ -74,6 +79,8 @@ class WorkerHarness:
                 print(f"  worker not ready after {last - t0:.0f}s; log tail: {text[-600:]!r}", flush=True)
             if self.worker.poll() is not None:
                 raise RuntimeError(f"voxbatch worker exited ({self.worker.returncode}):\n{text[-3000:]}")
+            if died := RESTARTED.search(text):  # died while starting: its restarts will too
+                raise RuntimeError(f"voxbatch worker died while starting (its first failure):\n{text[:died.end()][-3000:]}")
             time.sleep(0.2)
         raise TimeoutError(f"voxbatch worker not ready after {timeout_s} s:\n{self.log.read_text(errors='replace')[-3000:]}")
 

@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -222,6 +223,25 @@ def test_worker_ab_runs_each_variant_between_two_runs_of_the_first(tmp_path, tin
     assert all(v["over_a_mean"] > 0 for v in ab["variants"])
     assert {"ab_worker.log", "ab_ab1_worker.log", "ab_ab2_worker.log", "ab_ab_again_worker.log"} <= {p.name for p in tmp_path.iterdir()}
     assert "voxbatch worker A/B (A B1 B2 A)" in (tmp_path / "ab.md").read_text()
+
+
+def test_a_worker_that_dies_while_starting_fails_the_stage_at_once(tmp_path, tiny_model_dir):
+    """A worker that dies before it is ready is restarted by its supervisor, and dies again: the stage
+    fails at the first death with that failure's message, instead of waiting out the 300 s for a ready
+    worker (two vLLM engines in one process are refused at start-up)."""
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server not on PATH")
+    pytest.importorskip("vllm")
+    t0 = time.monotonic()
+    out = bench(tmp_path, "--tiny", "--device", "cpu", "--segments", "4", "--max-s", "3", "--stages", "worker",
+                "--worker-run", "rows=4,flow=2,task=2,backend=vllm,vengines=2,process=0", "--worker-task-sizes", "4",
+                "--worker-warm-segments", "2", "--budget-s", "3000", "--fixture-yaml", str(tiny_model_dir / "cosyvoice2.yaml"),
+                timeout=600)
+    assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
+    result = json.loads((tmp_path / "gpu_engine.json").read_text())
+    error = result["errors"]["worker"]
+    assert "died while starting" in error and "own process" in error, error[-2000:]
+    assert time.monotonic() - t0 < 240  # not the 300 s ready wait
 
 
 def test_a_bad_switch_value_stops_the_bench_and_any_process_started_with_it(tmp_path):
