@@ -96,9 +96,9 @@ def test_vllm_run_specs_read_every_vllm_option_through_settings():
     every key it may set lands in an option, and a key outside them or a value out of bounds is refused."""
     script = (
         "import json; from bench.gpu_engine import VLLM_RUN_KEYS, vllm_run\n"
-        "print(json.dumps([len(VLLM_RUN_KEYS), vllm_run('process=0,async=1,vgraphs=1024,vmode=PIECEWISE,vgroup=16,vpriority=-1,vengines=2'),"
+        "print(json.dumps([len(VLLM_RUN_KEYS), vllm_run('process=1,async=1,vgraphs=1024,vmode=PIECEWISE,vgroup=16,vpriority=-1,vengines=2'),"
         " vllm_run('shipped')]))\n"
-        "for bad in ('rows=8', 'vpriority=3'):\n"
+        "for bad in ('rows=8', 'vpriority=3', 'process=0,vengines=2'):\n"
         "    try:\n        vllm_run(bad)\n    except (SystemExit, ValueError) as e:\n        print(bad, '->', str(e).splitlines()[0:3])\n"
     )
     out = subprocess.run([sys.executable, "-c", script], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
@@ -106,12 +106,14 @@ def test_vllm_run_specs_read_every_vllm_option_through_settings():
     assert out.returncode == 0, out.stderr[-2000:]
     first, *refused = out.stdout.splitlines()
     n_keys, opts, shipped = json.loads(first)
-    assert opts == {"engine_process": False, "async_scheduling": True, "cudagraph_max_tokens": 1024,
+    assert opts == {"engine_process": True, "async_scheduling": True, "cudagraph_max_tokens": 1024,
                     "cudagraph_mode": "PIECEWISE", "admit_group": 16, "stream_priority": -1, "engines": 2}
     assert n_keys == len(opts) and shipped.pop("engines") == 1 and set(shipped.values()) == {None}
     assert refused[0].startswith("rows=8 ->") and "not vLLM options" in refused[0]
     # CUDA priorities run from 0 (the default) to -5 (most urgent): 3 is out of the setting's bounds
     assert refused[1].startswith("vpriority=3 ->") and "vllm_stream_priority" in refused[1]
+    # several engines with their cores in the worker's process cannot run
+    assert refused[2].startswith("process=0,vengines=2 ->") and "own process" in refused[2]
 
 
 def test_repeated_engine_configuration_is_an_error(tmp_path):
@@ -228,13 +230,14 @@ def test_worker_ab_runs_each_variant_between_two_runs_of_the_first(tmp_path, tin
 def test_a_worker_that_dies_while_starting_fails_the_stage_at_once(tmp_path, tiny_model_dir):
     """A worker that dies before it is ready is restarted by its supervisor, and dies again: the stage
     fails at the first death with that failure's message, instead of waiting out the 300 s for a ready
-    worker (two vLLM engines in one process are refused at start-up)."""
+    worker (two vLLM engines where the core runs in the worker's process, the CPU's default, are refused
+    when the engine is built: settings alone cannot tell)."""
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server not on PATH")
     pytest.importorskip("vllm")
     t0 = time.monotonic()
     out = bench(tmp_path, "--tiny", "--device", "cpu", "--segments", "4", "--max-s", "3", "--stages", "worker",
-                "--worker-run", "rows=4,flow=2,task=2,backend=vllm,vengines=2,process=0", "--worker-task-sizes", "4",
+                "--worker-run", "rows=4,flow=2,task=2,backend=vllm,vengines=2", "--worker-task-sizes", "4",
                 "--worker-warm-segments", "2", "--budget-s", "3000", "--fixture-yaml", str(tiny_model_dir / "cosyvoice2.yaml"),
                 timeout=600)
     assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]

@@ -463,3 +463,14 @@ def test_render_interrupted_then_resumed_renders_only_the_missing_segments(tmp_p
     assert len(after) == total
     assert {p: after[p] for p in before} == before  # what the first run stored was not rendered again
     assert (job_dir / "manifest.json").is_file()
+
+
+@pytest.mark.parametrize("settings, names", [
+    ({"VOXBATCH_VLLM_ENGINES": "2", "VOXBATCH_VLLM_ENGINE_PROCESS": "false"}, ["vllm_engines", "own process"]),
+    ({"VOXBATCH_VLLM_ENGINES": "8", "VOXBATCH_ENGINE_MAX_BATCH": "4"}, ["vllm_engines", "engine_max_batch"]),
+])
+def test_a_worker_with_vllm_engines_that_cannot_run_is_refused_before_it_starts(settings, names):
+    """Several vLLM engines each need their own core process and a row: `voxbatch worker` says so in one
+    line and exits 2 before any worker process starts (not a worker failing at its engine, restarted in a loop)."""
+    proc = cli({**settings, "VOXBATCH_LLM_BACKEND": "vllm"}, "worker", timeout=60)
+    one_line_error(proc, 2, *names)

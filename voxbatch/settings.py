@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import AliasChoices, Field, SecretStr, field_validator
+from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 AudioFormat = Literal["wav", "flac", "ogg", "opus", "mp3", "m4a"]
@@ -243,6 +243,19 @@ class Settings(BaseSettings):
         if not (v.startswith("s3://") or v.startswith("file://")):
             raise ValueError(f"storage_url must start with s3:// or file://, got {v!r}")
         return v
+
+
+    @model_validator(mode="after")
+    def _vllm_engines_fit(self) -> "Settings":
+        """Several vLLM engines need their cores in their own processes and at least a row each: said at
+        start-up in one line, not by a worker that fails building its engine and is restarted in a loop."""
+        if self.vllm_engines > 1 and self.vllm_engine_process is False:
+            raise ValueError(f"vllm_engines {self.vllm_engines} needs each engine core in its own process "
+                             "(vllm_engine_process is false)")
+        if self.engine_max_batch is not None and self.vllm_engines > self.engine_max_batch:
+            raise ValueError(f"vllm_engines {self.vllm_engines} is more than engine_max_batch "
+                             f"{self.engine_max_batch} (each engine needs a row)")
+        return self
 
 
 def load_settings(**overrides) -> Settings:

@@ -182,8 +182,9 @@ class VllmLlmBackend(LlmBackend):
 
     @property
     def max_batch(self) -> int:  # type: ignore[override]
-        """Requests `stream` hands vLLM at once (its max_num_seqs)."""
-        return self.options.max_num_seqs
+        """Requests `stream` hands vLLM at once: every engine's rows (max_num_seqs, less what does not
+        divide among several engines)."""
+        return self.engine_options().max_num_seqs * self.options.engines
 
     @property
     def max_seq(self) -> int:

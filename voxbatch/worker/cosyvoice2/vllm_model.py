@@ -112,10 +112,7 @@ class StreamPriority:
 
         if not current_platform.is_cuda():
             return None
-        try:  # vLLM's own record of the thread's stream, kept by its patched torch.cuda.set_stream
-            from vllm.utils.torch_utils import current_stream
-        except ImportError:  # before vLLM 0.11
-            from vllm.utils import current_stream
+        from vllm.utils.torch_utils import current_stream  # vLLM's record of the thread's stream (its patched set_stream)
         old = current_stream()
         new = torch.cuda.Stream(device=old.device, priority=priority)
         new.wait_stream(old)
