@@ -36,11 +36,11 @@ import torch
 from torch import Tensor
 
 from voxbatch.worker.cosyvoice2.cuda_graphs import capture
-from voxbatch.worker.cosyvoice2.llm import SOS, TASK_ID, CosyVoice2LM, PackedPrompts, prompt_layout
+from voxbatch.worker.cosyvoice2.llm import TASK_ID, CosyVoice2LM, PackedPrompts, prompt_layout
 
 log = logging.getLogger(__name__)
 
-MAX_TOKENS = 1 << 16  # the largest token bucket with a graph (its activations ~2.5 GiB at Qwen2-0.5B sizes)
+MAX_TOKENS = 1 << 17  # the largest placement with a graph (256 prompts of 512; activations ~5 GiB at Qwen2-0.5B sizes)
 MIN_TOKENS = 256
 MIN_LONGEST = 128
 KIND_SPECIAL, KIND_TEXT, KIND_SPEECH = 0, 1, 2
