@@ -542,6 +542,33 @@ def test_prefill_graph_body_equals_packed_prefill(tiny_model_dir, ref, seq_max, 
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "prefill-graphs"])
+def test_placing_rows_never_waits_for_the_gpu(tiny_model_dir, ref, seq_max, monkeypatch, graphs):
+    """CUDA: placing requests in cache rows (prefill, row state, sampler settings) only queues work. With
+    CUDA's sync debug mode at "error" any call that waits for the device raises: a Python number
+    assigned through a tensor index did (torch_backend._Rows.fill), holding every placement until the
+    LLM's stream ran dry."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from voxbatch.worker.cosyvoice2 import torch_backend
+
+    monkeypatch.setattr(torch_backend, "PREFILL_GRAPHS", graphs)
+    model = CosyVoice2LM.from_model_dir(tiny_model_dir, device="cuda", dtype=torch.bfloat16)
+    state = TorchLlmBackend(model, max_batch=4, max_seq=seq_max)._state(4)
+    reqs = _mixed_requests(ref, greedy=False)
+    state.fill([0, 1, 2], reqs)  # first use: lazy set-up (and with graphs, the capture) may wait
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        state.fill([1, 2, 3], reqs)
+        state.run(seq_max)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    assert state.n_out[1:].le(1).all() and state.lengths[1:].gt(0).all()
+
+
+@pytest.mark.gpu
 def test_prefill_graphs_replay_what_they_ran(tiny_model_dir, ref, seq_max):
     """CUDA, bf16, real flash: a placement whose bucket has a graph replays it and gets bit for bit what
     the first placement of that bucket ran eagerly (log-probs, lengths, K/V), and stays within 1e-2 of

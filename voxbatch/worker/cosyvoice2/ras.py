@@ -158,7 +158,9 @@ class RowTable:
             self.floats.index_copy_(0, dst, self.floats.index_select(0, src))
         emptied = [d for d, s in source.items() if s is None]
         if emptied:
-            self.ints[self._to_device(torch.tensor(emptied)), _ACTIVE] = 0
+            # index_fill_ on the column: a Python 0 assigned through a tensor index would be copied to the
+            # device from pageable memory, a wait for everything queued (torch_backend._Rows.fill).
+            self.ints[:, _ACTIVE].index_fill_(0, self._to_device(torch.tensor(emptied)), 0)
 
     def _to_device(self, t: Tensor) -> Tensor:
         if self.device.type == "cpu":

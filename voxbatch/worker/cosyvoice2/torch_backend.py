@@ -167,9 +167,15 @@ class _Rows:
         self.lengths[rows] = lengths
         self.min_tokens[rows] = to_device([r.min_tokens for r in requests], torch.long, dev)
         self.max_tokens[rows] = to_device([r.max_tokens for r in requests], torch.long, dev)
-        self.recent[rows] = -1
-        self.n_out[rows] = 0
-        self.alive[rows] = True
+        # index_fill_, not `self.recent[rows] = -1`: on CUDA, assigning a Python number through a tensor
+        # index copies it to the device from pageable memory, which waits for everything queued on the
+        # stream (the prefill just launched and the decode steps before it). Three such waits held every
+        # placement until the LLM's stream ran dry: ~1 ms of the thread's time per row placed, spent
+        # spinning (bench/results/gpu_h100_s39a_pgraphs.json: a refill of 240 rows 213-225 ms, all of it
+        # CPU time). tests/test_cosyvoice2_llm.py checks fill with CUDA's sync debug mode set to error.
+        self.recent.index_fill_(0, rows, -1)
+        self.n_out.index_fill_(0, rows, 0)
+        self.alive.index_fill_(0, rows, True)
         configs = [RasConfig(r.top_p, r.top_k, r.win_size, r.tau_r) for r in requests]
         self.sampler.assign(rows, [r.seed for r in requests], configs, [r.greedy for r in requests])
 
