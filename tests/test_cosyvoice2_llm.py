@@ -461,102 +461,18 @@ def test_failed_flash_falls_back_to_padded(tiny_model_dir, backend, ref, seq_max
     assert got == {r.index: r.tokens for r in backend.generate(reqs)}
 
 
-def _causal_with_slack(calls: list[int]):
-    """The flash call as a graph makes it: `longest` may exceed the longest prompt, prompt slots may be
-    empty, entries past cu_seq[-1] belong to no prompt and come out undefined (NaN here, so a layer
-    that lets them through shows)."""
-
-    def call(q, k, v, cu_seq, longest):
-        calls.append(longest)
-        bounds = cu_seq.tolist()
-        assert longest >= max(b - a for a, b in zip(bounds, bounds[1:]))
-        out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
-        for a, b in zip(bounds, bounds[1:]):
-            if b > a:
-                qs, ks, vs = (t[a:b].transpose(0, 1) for t in (q, k, v))
-                gqa = ks.shape[0] != qs.shape[0]
-                out[a:b] = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa).transpose(0, 1)
-        return out
-
-    return call
-
-
-def test_prefill_buckets_bound_the_padding():
-    """Token buckets hold n with at most 25% padding past MIN_TOKENS and never shrink as n grows;
-    the flash bucket is a power of two >= the longest prompt, capped at the cache length."""
-    from voxbatch.worker.cosyvoice2.prefill_graphs import MIN_TOKENS, longest_bucket, token_bucket
-
-    last = 0
-    for n in range(1, 5000):
-        b = token_bucket(n)
-        assert b >= max(n, MIN_TOKENS) and b >= last
-        assert n < MIN_TOKENS or b <= 1.25 * n, (n, b)
-        last = b
-    assert len({token_bucket(n) for n in range(MIN_TOKENS + 1, 8 * MIN_TOKENS + 1)}) == 12  # four per doubling
-    assert [longest_bucket(n, 768) for n in (1, 128, 129, 500, 513, 768)] == [128, 128, 256, 512, 768, 768]
-
-
-@torch.inference_mode()
-def test_prefill_graph_body_equals_packed_prefill(tiny_model_dir, ref, seq_max, monkeypatch):
-    """What a prefill graph runs (prefill_graphs._PrefillGraph.run over its padded input buffer), on CPU
-    with the flash call emulated: the packed prefill's log-probs and lengths (LOGP_ATOL), its K/V in
-    every prompt entry (1e-5), finite values, and no cache entry written but the prompts' and the one
-    column the padding goes to (the last of the first row filled)."""
-    from voxbatch.worker.cosyvoice2 import flash_varlen
-    from voxbatch.worker.cosyvoice2.prefill_graphs import PrefillGraphs, _PrefillGraph, longest_bucket, token_bucket
-
-    calls: list[int] = []
-    monkeypatch.setattr(flash_varlen, "_DEVICES", ("cpu",))
-    monkeypatch.setattr(flash_varlen, "_DTYPES", (torch.float32,))
-    monkeypatch.setattr(flash_varlen, "_causal", _causal_with_slack(calls))
-    prompts, rows = _prompts(ref), [2, 0, 3]
-    lens = [len(t) + len(s) + 2 for t, s in prompts]
-    out = []
-    for graphed in (False, True):
-        m = CosyVoice2LM.from_model_dir(tiny_model_dir)
-        m.setup_cache(batch_max=5, seq_max=seq_max)
-        if graphed:
-            tokens, longest = token_bucket(sum(lens)), longest_bucket(max(lens), seq_max)
-            assert tokens > sum(lens)  # some padding to ignore
-            graph = _PrefillGraph(m, tokens, longest)
-            graph.fill(PrefillGraphs(m).inputs(prompts, rows, tokens))
-            logp, lengths = graph.run()
-            assert logp.shape[0] == lengths.shape[0] == 5 and lengths[len(prompts):].eq(0).all()
-            logp, lengths = logp[: len(prompts)], lengths[: len(prompts)]
-        else:
-            logp, lengths = m.prefill_packed(prompts, rows)
-        out.append((logp, lengths, m.cache_k.clone(), m.cache_v.clone()))
-    assert calls and calls[-1] >= max(lens)
-    (lp0, len0, k0, v0), (lp1, len1, k1, v1) = out
-    assert torch.isfinite(lp1).all() and torch.isfinite(k1).all() and torch.isfinite(v1).all()
-    assert len1.tolist() == len0.tolist() == lens
-    assert float((lp0 - lp1).abs().max()) <= LOGP_ATOL
-    written = torch.zeros(k1.shape[1], k1.shape[3], dtype=torch.bool)  # (rows, positions)
-    for row, n in zip(rows, lens):
-        assert float((k0[:, row, :, :n] - k1[:, row, :, :n]).abs().max()) <= 1e-5
-        assert float((v0[:, row, :, :n] - v1[:, row, :, :n]).abs().max()) <= 1e-5
-        written[row, :n] = True
-    written[rows[0], seq_max - 1] = True
-    untouched = ~written[None, :, None, :, None].expand_as(k1)
-    assert k1[untouched].eq(0).all() and v1[untouched].eq(0).all()
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "prefill-graphs"])
-def test_placing_rows_never_waits_for_the_gpu(tiny_model_dir, ref, seq_max, monkeypatch, graphs):
+def test_placing_rows_never_waits_for_the_gpu(tiny_model_dir, ref, seq_max):
     """CUDA: placing requests in cache rows (prefill, row state, sampler settings) only queues work. With
     CUDA's sync debug mode at "error" any call that waits for the device raises: a Python number
     assigned through a tensor index did (torch_backend._Rows.fill), holding every placement until the
     LLM's stream ran dry."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    from voxbatch.worker.cosyvoice2 import torch_backend
-
-    monkeypatch.setattr(torch_backend, "PREFILL_GRAPHS", graphs)
     model = CosyVoice2LM.from_model_dir(tiny_model_dir, device="cuda", dtype=torch.bfloat16)
     state = TorchLlmBackend(model, max_batch=4, max_seq=seq_max)._state(4)
     reqs = _mixed_requests(ref, greedy=False)
-    state.fill([0, 1, 2], reqs)  # first use: lazy set-up (and with graphs, the capture) may wait
+    state.fill([0, 1, 2], reqs)  # first use: lazy set-up may wait
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -566,33 +482,6 @@ def test_placing_rows_never_waits_for_the_gpu(tiny_model_dir, ref, seq_max, monk
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
     assert state.n_out[1:].le(1).all() and state.lengths[1:].gt(0).all()
-
-
-@pytest.mark.gpu
-def test_prefill_graphs_replay_what_they_ran(tiny_model_dir, ref, seq_max):
-    """CUDA, bf16, real flash: a placement whose bucket has a graph replays it and gets bit for bit what
-    the first placement of that bucket ran eagerly (log-probs, lengths, K/V), and stays within 1e-2 of
-    the eager packed prefill; a new KV cache drops the graphs."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    from voxbatch.worker.cosyvoice2.prefill_graphs import PrefillGraphs
-
-    prompts, rows = _prompts(ref), [1, 3, 0]
-    with torch.inference_mode():
-        m = CosyVoice2LM.from_model_dir(tiny_model_dir, device="cuda", dtype=torch.bfloat16)
-        m.setup_cache(batch_max=4, seq_max=seq_max)
-        graphs = PrefillGraphs(m)
-        first = [t.clone() for t in graphs(prompts, rows)] + [m.cache_k.clone(), m.cache_v.clone()]
-        assert len(graphs.graphs) == 1 and not graphs.failed
-        m.cache_k.zero_(), m.cache_v.zero_()
-        again = [t.clone() for t in graphs(prompts, rows)] + [m.cache_k.clone(), m.cache_v.clone()]
-        eager = m.prefill_packed(prompts, rows)[0]
-        torch.cuda.synchronize()
-        assert all(torch.equal(a, b) for a, b in zip(first, again))
-        assert float((again[0] - eager).abs().max()) <= 1e-2
-        m.setup_cache(batch_max=4, seq_max=seq_max)
-        graphs(prompts, rows)
-        assert len(graphs.graphs) == 1 and graphs.cache_at == (m.cache_k.data_ptr(), m.cache_v.data_ptr())
 
 
 @pytest.mark.gpu

@@ -162,11 +162,6 @@ def _spans(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
     return first + np.arange(int(counts.sum()))
 
 
-# PackedPrompts' index arrays, in the order they travel to the device as one copy.
-_INDEX_FIELDS = ("positions", "rows", "text_at", "text_ids", "speech_at", "speech_ids", "special_at", "special_ids",
-                 "last", "lengths", "cu_seq")
-
-
 @dataclass(frozen=True)
 class PackedPrompts:
     """B prompts [sos, text, task_id, prompt speech] laid end to end: N = sum of their lengths positions,
@@ -186,50 +181,31 @@ class PackedPrompts:
     cu_seq: Tensor  # (B+1,) int32 prompt starts, as flash reads them
     longest: int
     total: int  # N
-    covered: Tensor | None = None  # (N, 1, 1) bool: entries inside some prompt (None: all; prefill_graphs.py)
 
     @classmethod
     def of(cls, prompts: Sequence[tuple[list[int], list[int]]], rows: Sequence[int], device: torch.device) -> PackedPrompts:
-        layout = prompt_layout(prompts, rows)
-        parts = {name: layout[name] for name in _INDEX_FIELDS}
+        n_text = np.array([len(t) for t, _ in prompts], dtype=np.int64)
+        n_speech = np.array([len(s) for _, s in prompts], dtype=np.int64)
+        lengths = n_text + n_speech + 2
+        cu = np.concatenate([[0], np.cumsum(lengths)])
+        starts, N, B = cu[:-1], int(cu[-1]), len(prompts)
+        parts = {
+            "positions": np.arange(N) - np.repeat(starts, lengths),
+            "rows": np.repeat(np.asarray(rows, dtype=np.int64), lengths),
+            "text_at": _spans(starts + 1, n_text),
+            "text_ids": np.fromiter(chain.from_iterable(t for t, _ in prompts), np.int64, int(n_text.sum())),
+            "speech_at": _spans(starts + 2 + n_text, n_speech),
+            "speech_ids": np.fromiter(chain.from_iterable(s for _, s in prompts), np.int64, int(n_speech.sum())),
+            "special_at": np.stack([starts, starts + 1 + n_text], axis=1).reshape(-1),
+            "special_ids": np.tile(np.array([SOS, TASK_ID], dtype=np.int64), B),
+            "last": cu[1:] - 1,
+            "lengths": lengths,
+            "cu_seq": cu,
+        }
         flat = to_device(np.concatenate(list(parts.values())), torch.int64, device)
         views = dict(zip(parts, flat.split([len(a) for a in parts.values()])))
         views["cu_seq"] = views["cu_seq"].to(torch.int32)
-        return cls(**views, longest=layout["longest"], total=layout["total"])
-
-    @classmethod
-    def for_graph(cls, positions: Tensor, rows: Tensor, cu_seq: Tensor, longest: int, covered: Tensor) -> PackedPrompts:
-        """What the decoder layers read (positions, rows, cu_seq, longest), over a graph's static buffers,
-        with the entries past the prompts marked (`covered`); the embedding's index fields stay empty."""
-        empty = positions[:0]
-        return cls(positions=positions, rows=rows, text_at=empty, text_ids=empty, speech_at=empty, speech_ids=empty,
-                   special_at=empty, special_ids=empty, last=empty, lengths=empty, cu_seq=cu_seq, longest=longest,
-                   total=positions.shape[0], covered=covered)
-
-
-def prompt_layout(prompts: Sequence[tuple[list[int], list[int]]], rows: Sequence[int]) -> dict:
-    """Where each entry of B prompts [sos, text, task_id, prompt speech] laid end to end goes, as host
-    numpy arrays named as PackedPrompts' fields (int64), plus `total` (N) and `longest`."""
-    n_text = np.array([len(t) for t, _ in prompts], dtype=np.int64)
-    n_speech = np.array([len(s) for _, s in prompts], dtype=np.int64)
-    lengths = n_text + n_speech + 2
-    cu = np.concatenate([[0], np.cumsum(lengths)])
-    starts, N, B = cu[:-1], int(cu[-1]), len(prompts)
-    return {
-        "positions": np.arange(N) - np.repeat(starts, lengths),
-        "rows": np.repeat(np.asarray(rows, dtype=np.int64), lengths),
-        "text_at": _spans(starts + 1, n_text),
-        "text_ids": np.fromiter(chain.from_iterable(t for t, _ in prompts), np.int64, int(n_text.sum())),
-        "speech_at": _spans(starts + 2 + n_text, n_speech),
-        "speech_ids": np.fromiter(chain.from_iterable(s for _, s in prompts), np.int64, int(n_speech.sum())),
-        "special_at": np.stack([starts, starts + 1 + n_text], axis=1).reshape(-1),
-        "special_ids": np.tile(np.array([SOS, TASK_ID], dtype=np.int64), B),
-        "last": cu[1:] - 1,
-        "lengths": lengths,
-        "cu_seq": cu,
-        "longest": int(lengths.max()),
-        "total": N,
-    }
+        return cls(**views, longest=int(lengths.max()), total=N)
 
 
 class Attention(nn.Module):
@@ -316,8 +292,6 @@ class Attention(nn.Module):
         out = flash_varlen.packed_causal_attention(q, k, v, packed.cu_seq, packed.longest)
         if out is None:
             raise FlashUnavailable("packed causal flash attention cannot run here")
-        if packed.covered is not None:  # entries past the prompts: flash leaves them undefined
-            out = out.where(packed.covered, 0)
         return self.o_proj(out.reshape(N, self.n_heads * self.head_dim))
 
 

@@ -40,7 +40,6 @@ from voxbatch.worker import timeline
 from voxbatch.worker.cosyvoice2.h2d import to_device
 from voxbatch.worker.cosyvoice2.llm import CosyVoice2LM, FlashUnavailable
 from voxbatch.worker.cosyvoice2.llm_backend import Feed, ListFeed, LlmBackend, LlmRequest, LlmResult, out_of_range
-from voxbatch.worker.cosyvoice2.prefill_graphs import PrefillGraphs
 from voxbatch.worker.cosyvoice2.sampling import BatchSampler, RasConfig
 
 MAX_SEQ = 4096  # positions of the KV cache: prompt + max_tokens of a request must fit
@@ -56,12 +55,6 @@ LOOK_LAG = 8
 # tests/test_cosyvoice2_llm.py checks a fill with CUDA's sync debug mode at "error". False: the old
 # form, for the A/B (bench switch `nowait`).
 FILL_WITHOUT_WAIT = True
-# The packed prefill of each placement replayed as a CUDA graph per (token bucket, longest bucket)
-# (prefill_graphs.py): a placement's ~1,000 op calls become a copy and a replay. Why it might pay:
-# placements held the LLM thread for 1,254 ms of a 5.25 s LLM phase in the worker on an H100, with no
-# decode step queued meanwhile (bench/results/gpu_h100_s38_torch_gil.json). Not measured yet: off
-# until an A/B in the worker says otherwise (bench switch `pgraphs`).
-PREFILL_GRAPHS = False
 
 
 def _bucket(n: int, cap: int) -> int:
@@ -89,9 +82,8 @@ class _Rows:
     """Decoding state of `rows` cache rows on the model's device, and its CUDA graphs (one per width)."""
 
     @torch.inference_mode()
-    def __init__(self, model: CosyVoice2LM, rows: int, window: int, widths: list[int], prefill: PrefillGraphs | None = None):
+    def __init__(self, model: CosyVoice2LM, rows: int, window: int, widths: list[int]):
         self.model, self.rows, self.widths = model, rows, widths
-        self.prefill_packed = model.prefill_packed if prefill is None else prefill  # same call, eager or as graphs
         dev = model.llm_decoder.weight.device
         d, (_, max_seq) = model.dims, model.cache_shape
         self.max_seq = max_seq
@@ -165,7 +157,7 @@ class _Rows:
         logp = None
         if self.model.packed_ready():
             try:
-                logp, lengths = self.prefill_packed(prompts, slots)
+                logp, lengths = self.model.prefill_packed(prompts, slots)
             except FlashUnavailable:
                 pass  # logged once by flash_varlen; padded from now on
         if logp is None:
@@ -274,7 +266,6 @@ class TorchLlmBackend(LlmBackend):
         model.setup_cache(max_batch, max_seq)
         self._states: dict[int, _Rows] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
-        self._prefill = PrefillGraphs(model) if self.cuda_graphs and PREFILL_GRAPHS else None
 
     @classmethod
     def from_model_dir(
@@ -296,7 +287,7 @@ class TorchLlmBackend(LlmBackend):
     def _state(self, rows: int) -> _Rows:
         """The decoding state for `rows` rows, made (and its graphs captured) on first use."""
         if rows not in self._states:
-            state = _Rows(self.model, rows, self.window, self.widths, self._prefill)
+            state = _Rows(self.model, rows, self.window, self.widths)
             if self.cuda_graphs:
                 state.capture(self._pool)
             self._states[rows] = state
@@ -311,8 +302,6 @@ class TorchLlmBackend(LlmBackend):
     def close(self) -> None:
         """Free the graphs, their memory pool's hold and the KV cache (the model stays loaded)."""
         self._states.clear()
-        if self._prefill is not None:
-            self._prefill.graphs.clear()
         self.model.cache_k = self.model.cache_v = None
 
     def _check(self, index: int, r: LlmRequest) -> None:
