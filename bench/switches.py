@@ -43,7 +43,6 @@ SWITCHES = {
     "fused_llm": ("voxbatch.worker.cosyvoice2.llm", "FUSED_KERNELS", _flag),
     "fused_norm": ("voxbatch.worker.cosyvoice2.flow_estimator", "FUSED_NORM", _flag),
     "lag": ("voxbatch.worker.cosyvoice2.torch_backend", "LOOK_LAG", int),
-    "nowait": ("voxbatch.worker.cosyvoice2.torch_backend", "FILL_WITHOUT_WAIT", _flag),
     "hift_quantum": ("voxbatch.worker.cosyvoice2.engine", "HIFT_FRAME_QUANTUM", int),
     "f0_quantum": ("voxbatch.worker.cosyvoice2.hift", "F0_FRAME_QUANTUM", int),
     "f0_graphs": ("voxbatch.worker.cosyvoice2.hift", "F0_ROW_GRAPHS", _flag),

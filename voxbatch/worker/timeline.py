@@ -52,11 +52,12 @@ GC_EVENTS = ("gc1", "gc2")  # count = the pause in milliseconds
 LLM_HOST_EVENTS = ("llm_admit_ms", "llm_place_ms", "llm_place_cpu_ms", "llm_prefill_ms")
 # How long the launch of one tiny kernel held the LLM thread at each placement (count = microseconds),
 # beside `llm_place_cpu_ms`, the thread's CPU time over the placement. Why: placements took 60-210 ms
-# while the GIL was mostly free (the probe ~0.2 ms, py-spy's GIL holder sampled in at most a seventh
-# of the slots; bench/results/gpu_h100_s38_torch_gil.json). Two causes fit: the GIL taken back after
-# each of a placement's ~1,000 op calls (torch releases it inside each), ~80 us of wait apiece, or a
-# launch queue the vocoder threads keep full, behind which every launch waits for kernels to retire.
-# A launch returns in microseconds when the queue has room; waiting (for either) costs no CPU time.
+# while the GIL was mostly free (bench/results/gpu_h100_s38_torch_gil.json). These readings settled it
+# (gpu_h100_s39a_pgraphs.json): launches took ~100 us (the queue had room) and the CPU time was most of
+# the wall time, a big refill's all of it: the thread was spinning in a wait for its own stream, three
+# Python numbers assigned through a tensor index (torch_backend._Rows.fill). Note that a CUDA wait spins,
+# so CPU time near the wall time means "working or waiting for the GPU", far below it "waiting for the
+# GIL or sleeping".
 LAUNCH_EVENT = "llm_launch_us"
 # A flow batch that replayed a step graph kept for its shape, or captured one (flow.STEP_GRAPH_CACHE;
 # count = the batch's rows as run): how often the cache pays, since a capture costs the host an eager

@@ -47,14 +47,6 @@ MAX_SEQ = 4096  # positions of the KV cache: prompt + max_tokens of a request mu
 # 8 steps are ~27 ms of GPU work for the host's bookkeeping, admission and prefill launches to hide in
 # (engine 239.6x vs 231.1x with lag=0, bench/results/gpu_h200_ab1.json).
 LOOK_LAG = 8
-# Row state reset with index_fill_, not `self.recent[rows] = -1`: on CUDA, a Python number assigned
-# through a tensor index is copied to the device from pageable memory, which waits for everything queued
-# on the stream (the prefill just launched and the decode steps before it). Three such waits held every
-# placement until the LLM's stream ran dry, ~1 ms of the thread's time per row placed, spent spinning
-# (bench/results/gpu_h100_s39a_pgraphs.json: a refill of 240 rows 213-225 ms, all of it CPU time).
-# tests/test_cosyvoice2_llm.py checks a fill with CUDA's sync debug mode at "error". False: the old
-# form, for the A/B (bench switch `nowait`).
-FILL_WITHOUT_WAIT = True
 
 
 def _bucket(n: int, cap: int) -> int:
@@ -167,14 +159,18 @@ class _Rows:
         self.lengths[rows] = lengths
         self.min_tokens[rows] = to_device([r.min_tokens for r in requests], torch.long, dev)
         self.max_tokens[rows] = to_device([r.max_tokens for r in requests], torch.long, dev)
-        if FILL_WITHOUT_WAIT:
-            self.recent.index_fill_(0, rows, -1)
-            self.n_out.index_fill_(0, rows, 0)
-            self.alive.index_fill_(0, rows, True)
-        else:  # the old form, kept for the A/B (bench switch `nowait=0`)
-            self.recent[rows] = -1
-            self.n_out[rows] = 0
-            self.alive[rows] = True
+        # index_fill_, not `self.recent[rows] = -1`: on CUDA a Python number assigned through a tensor index
+        # is copied to the device from pageable memory, which waits for everything queued on the stream,
+        # here the prefill just launched and the decode steps before it. Those three waits held each
+        # placement until the LLM's stream ran dry: a refill of 232 rows took 200 ms of the LLM thread,
+        # all of it spent spinning, against 29-35 ms for ~250 rows without them; all placements of a job
+        # 1,034 ms against 562 / 751 ms. The job was no faster for it (331.0x with the waits, 315.2x /
+        # 331.6x without; the GPU was running that prefill meanwhile), but the thread is free to queue the
+        # next steps (bench/results/gpu_h100_s39c_nowait.json). tests/test_cosyvoice2_llm.py places rows
+        # with CUDA's sync debug mode at "error".
+        self.recent.index_fill_(0, rows, -1)
+        self.n_out.index_fill_(0, rows, 0)
+        self.alive.index_fill_(0, rows, True)
         configs = [RasConfig(r.top_p, r.top_k, r.win_size, r.tau_r) for r in requests]
         self.sampler.assign(rows, [r.seed for r in requests], configs, [r.greedy for r in requests])
 
