@@ -334,6 +334,33 @@ def test_engine_rerenders_a_batch_bit_identically_on_gpu(tiny_model_dir, tiny_fa
         assert np.array_equal(got.audio, again[r.segment_id].audio)
 
 
+@pytest.mark.gpu
+def test_vocoder_launch_never_waits_for_the_gpu(tiny_model_dir, storage_dir):
+    """CUDA: queueing a flow/HiFT batch (`vocode_launch`, up to the copy to the host) only queues work,
+    as the streaming scheduler's look-ahead relies on: with CUDA's sync debug mode at "error" any call
+    that waits for the device raises (a Python number assigned through a tensor index did in the LLM's
+    row reset). The batch's audio is then what the same batch gave before."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    settings = Settings(engine="cosyvoice2", model_dir=str(tiny_model_dir), storage_url=storage_dir.as_uri(),
+                        engine_max_batch=8, llm_device="cuda:0")
+    engine = CosyVoice2Engine.from_settings(settings)
+    engine.warmup()
+    items = [engine.item(req(i, t, 40)) for i, t in enumerate(TEXTS)]
+    for result in engine.llm.generate([item.llm for item in items]):
+        items[result.index].tokens = result.tokens
+    items = [item for item in items if item.tokens]
+    first = [r.audio for r in engine.vocode_launch(items).results()]  # first use of these shapes may wait
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        launched = engine.vocode_launch(items)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    again = [r.audio for r in launched.results()]
+    assert items and all(a is not None and np.array_equal(a, b) for a, b in zip(again, first))
+
+
 def test_deterministic_cudnn_is_scoped_to_the_vocoder_call(engine):
     """The engine sets no process-wide cuDNN flag: determinism is switched on around HiFT only."""
     from voxbatch.worker.cosyvoice2.engine import deterministic_cudnn
