@@ -307,6 +307,17 @@ def test_vllm_backend_caps_max_tokens_to_its_max_model_len(tiny_model_dir, tiny_
         engine.llm.close()
 
 
+def _warm_gpu_engine(tiny_model_dir: Path, storage_dir: Path) -> CosyVoice2Engine:
+    """The tiny engine on cuda:0, warmed up (the test is skipped without a CUDA device)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    settings = Settings(engine="cosyvoice2", model_dir=str(tiny_model_dir), storage_url=storage_dir.as_uri(),
+                        engine_max_batch=8, llm_device="cuda:0")
+    engine = CosyVoice2Engine.from_settings(settings)
+    engine.warmup()
+    return engine
+
+
 @pytest.mark.gpu
 def test_engine_rerenders_a_batch_bit_identically_on_gpu(tiny_model_dir, tiny_facts, storage_dir):
     """On a GPU every segment comes out at the length its speech tokens give, and the same batch
@@ -317,12 +328,7 @@ def test_engine_rerenders_a_batch_bit_identically_on_gpu(tiny_model_dir, tiny_fa
     batch and alone (seen on an H200: 38,400 vs 32,640 samples for one segment, with or without the
     compiled flow). On CPU in fp32 batched == alone holds exactly (tests above). (torch.compile of the
     flow estimator was removed: no faster through the engine, bench/results/h200_probe2.json.)"""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    settings = Settings(engine="cosyvoice2", model_dir=str(tiny_model_dir), storage_url=storage_dir.as_uri(),
-                        engine_max_batch=8, llm_device="cuda:0")
-    engine = CosyVoice2Engine.from_settings(settings)
-    engine.warmup()
+    engine = _warm_gpu_engine(tiny_model_dir, storage_dir)
     batch = [req(i, t, 40) for i, t in enumerate(TEXTS)]
     first = {r.request.segment_id: r for r in engine.synthesize(batch)}
     again = {r.request.segment_id: r for r in engine.synthesize(batch)}
@@ -340,12 +346,7 @@ def test_vocoder_launch_never_waits_for_the_gpu(tiny_model_dir, storage_dir):
     as the streaming scheduler's look-ahead relies on: with CUDA's sync debug mode at "error" any call
     that waits for the device raises (a Python number assigned through a tensor index did in the LLM's
     row reset). The batch's audio is then what the same batch gave before."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    settings = Settings(engine="cosyvoice2", model_dir=str(tiny_model_dir), storage_url=storage_dir.as_uri(),
-                        engine_max_batch=8, llm_device="cuda:0")
-    engine = CosyVoice2Engine.from_settings(settings)
-    engine.warmup()
+    engine = _warm_gpu_engine(tiny_model_dir, storage_dir)
     items = [engine.item(req(i, t, 40)) for i, t in enumerate(TEXTS)]
     for result in engine.llm.generate([item.llm for item in items]):
         items[result.index].tokens = result.tokens
