@@ -314,6 +314,27 @@ def test_logits_processor_graphs_draw_what_the_eager_step_draws(ref, tiny_facts)
     assert sorted(size for size, _ in graphed.graphs.graphs) == [1, 4, 8]
 
 
+def test_row_table_moves_and_empties_rows():
+    """vLLM's moves on the RAS row table, applied in order: a one-way move gives the destination the
+    source's row and leaves the source inactive (its other columns as they were), a swap exchanges two
+    rows; the host's set of live rows follows."""
+    _vllm_or_skip()
+    from voxbatch.worker.cosyvoice2.ras import _ACTIVE, RasParams, RowTable
+
+    table = RowTable(rows=4, window=3, device="cpu")
+    for row in range(3):
+        table.stage(row, RasParams(seed=100 + row, min_tokens=row), decoded=[row] * (row + 1))
+    table.flush()
+    ints, floats = table.ints.clone(), table.floats.clone()
+    table.move([(2, 0, False), (1, 3, True)])  # row 0 takes row 2 (row 2 emptied); rows 1 and 3 swap
+    want = ints.clone()
+    want[0], want[3], want[1] = ints[2], ints[1], ints[3]
+    want[2, _ACTIVE] = 0
+    assert torch.equal(table.ints, want)
+    assert torch.equal(table.floats[[0, 3, 1]], floats[[2, 1, 3]])
+    assert table.live == {0, 3} and table.ints[:, _ACTIVE].tolist() == [1, 0, 0, 1]
+
+
 def test_logits_processor_refuses_chunked_prefill(tiny_facts):
     """A chunked prompt's rows are sampled and thrown away: the per-row state would count them."""
     _vllm_or_skip()
