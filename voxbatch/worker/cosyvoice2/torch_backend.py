@@ -160,14 +160,9 @@ class _Rows:
         self.min_tokens[rows] = to_device([r.min_tokens for r in requests], torch.long, dev)
         self.max_tokens[rows] = to_device([r.max_tokens for r in requests], torch.long, dev)
         # index_fill_, not `self.recent[rows] = -1`: on CUDA a Python number assigned through a tensor index
-        # is copied to the device from pageable memory, which waits for everything queued on the stream,
-        # here the prefill just launched and the decode steps before it. Those three waits held each
-        # placement until the LLM's stream ran dry: a refill of 232 rows took 200 ms of the LLM thread,
-        # all of it spent spinning, against 29-35 ms for ~250 rows without them; all placements of a job
-        # 1,034 ms against 562 / 751 ms. The job was no faster for it (331.0x with the waits, 315.2x /
-        # 331.6x without; the GPU was running that prefill meanwhile), but the thread is free to queue the
-        # next steps (bench/results/gpu_h100_s39c_nowait.json). tests/test_cosyvoice2_llm.py places rows
-        # with CUDA's sync debug mode at "error".
+        # is copied from pageable memory, a wait for everything queued on the stream (the prefill just
+        # launched). Those waits held a job's placements 1,034 ms against 562 / 751 ms without them; the job
+        # was no faster (bench/results/gpu_h100_s39c_nowait.json). A GPU test places rows in sync debug mode.
         self.recent.index_fill_(0, rows, -1)
         self.n_out.index_fill_(0, rows, 0)
         self.alive.index_fill_(0, rows, True)
