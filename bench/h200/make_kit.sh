@@ -43,10 +43,11 @@ fi
 copy_sources
 # The fixture's small files the benchmark's official folder borrows (yaml, tokenizer, voice front-end ONNX),
 # and what the HiFT and LLM GPU tests read (weights, references, prompts; ~9 MB): GPU_TESTS= of
-# tests/test_cosyvoice2_hift.py then runs its fixture tests too. flow.pt (45 MB) stays home: the kit
-# must fit a device call, so tests of the flow or the whole engine on the fixture do not run there.
+# tests/test_cosyvoice2_hift.py then runs its fixture tests too (reference.md: the engine tests read the
+# fixture's facts from it). flow.pt (45 MB) stays home: the kit must fit a device call, so tests of the
+# flow or the whole engine on the fixture skip there unless a call of its own brings flow.pt (BENCHMARKS.md).
 fix=../shared/fixtures/cosyvoice2-tiny
 mkdir -p "$kit/shared/fixtures/cosyvoice2-tiny"
 cp -r "$fix/cosyvoice2.yaml" "$fix"/*.onnx "$fix/CosyVoice-BlankEN" "$fix/hift.pt" "$fix/llm.pt" "$fix/reference.npz" \
-  "$fix/reference_meta.json" "$fix"/prompt_*.wav "$kit/shared/fixtures/cosyvoice2-tiny/"
+  "$fix/reference.md" "$fix/reference_meta.json" "$fix"/prompt_*.wav "$kit/shared/fixtures/cosyvoice2-tiny/"
 du -sh "$kit"
