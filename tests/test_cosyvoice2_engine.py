@@ -60,8 +60,10 @@ def storage_dir(tmp_path_factory, voice) -> Path:
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir, storage_dir) -> CosyVoice2Engine:
+    # On CPU wherever it runs: these tests compare bit for bit (batched against one at a time) and feed CPU
+    # tensors to the model; on a GPU machine the engine's default is cuda:0 (the GPU tests below build their own).
     settings = Settings(engine="cosyvoice2", model_dir=str(tiny_model_dir), storage_url=storage_dir.as_uri(),
-                        engine_max_batch=8)
+                        engine_max_batch=8, llm_device="cpu")
     return CosyVoice2Engine.from_settings(settings)
 
 
@@ -243,7 +245,8 @@ def test_no_model_dir_offline_says_how_to_provide_weights(tmp_path):
         "except ModelUnavailableError as e:\n"
         "    print('MESSAGE', e)\n"
     )
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "PYTHONPATH": str(REPO)}
+    path = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])  # the device kit's packages too
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "PYTHONPATH": path}
     env.pop("VOXBATCH_MODEL_DIR", None)
     proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

@@ -302,6 +302,15 @@ def test_failing_segment_is_retried_then_recorded_and_retry_reenqueues_only_it(c
     assert status.state == "completed_with_errors" and status.failed == 1
 
 
+def _running(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie (an exited process its parent has not reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except OSError:
+        return False
+
+
 def test_segment_that_crashes_its_worker_is_given_up_after_max_attempts(cluster, tmp_path):
     """A poison segment SIGKILLs every worker that renders it. The launcher restarts the worker, the
     broker redelivers the task (visibility timeout), and the Redis attempt counter ends the loop:
@@ -341,6 +350,11 @@ def test_segment_that_crashes_its_worker_is_given_up_after_max_attempts(cluster,
     log = launcher.tail(10**7)
     assert log.count(f"segment {bad.id} asks for a crash") == max_attempts
     assert log.count("restarting in") == max_attempts
+    # Each crashing worker left a helper process (as vLLM's engine core outlives its worker): the launcher
+    # killed it before starting the next worker, so none of them still runs.
+    helpers = [int(pid) for pid in re.findall(r"asks for a crash; helper pid (\d+);", log)]
+    assert len(helpers) == max_attempts
+    assert not [pid for pid in helpers if _running(pid)], log[-4000:]
     assert launcher.proc.poll() is None and subprocess.run(["pgrep", "-P", str(launcher.proc.pid)]).returncode == 0
     assert cluster.unacked() == 0 and cluster.jobs.r.llen(cluster.env["VOXBATCH_RENDER_QUEUE"]) == 0
 

@@ -11,6 +11,13 @@ each quick death and resets once a child has run for `HEALTHY_S`; its unacknowle
 and the per-segment attempt counter in Redis ends a poison task's loop. SIGTERM/SIGINT are passed
 on: each child stops taking tasks, gives its in-flight segments the shutdown window, hands back
 what is unfinished (worker/main.py), and the launcher exits when all children have.
+
+Each child leads a process group of its own, and whatever is left in that group when the child has
+exited is killed before anything else starts on its GPU. An engine's helper processes outlive a worker
+that dies without cleanup: vLLM 0.26's engine core (a spawned child holding the KV cache, 35 GiB at the
+default memory share) stayed up after its worker aborted on an H100, and the restarted worker's own
+core took as much again, so flow and HiFT ran out of memory on every segment after
+(bench/results/gpu_h100_s40a_vllm_worker_log.txt).
 """
 
 from __future__ import annotations
@@ -26,6 +33,8 @@ from voxbatch.outage import backoff_s
 
 # A child that ran this long before dying is not crash-looping: its next restart waits the least.
 HEALTHY_S = 60.0
+# How long a dead child's leftover processes get to disappear after SIGKILL before the launcher goes on.
+REAP_WAIT_S = 10.0
 
 
 def _spawn(gpu: str | None, concurrency: int | None, queues: str | None,
@@ -39,7 +48,46 @@ def _spawn(gpu: str | None, concurrency: int | None, queues: str | None,
         cmd += ["--concurrency", str(concurrency)]
     if queues:
         cmd += ["--queues", queues]
-    return subprocess.Popen(cmd, env=env)
+    return subprocess.Popen(cmd, env=env, start_new_session=True)  # its own process group: see _kill_leftovers
+
+
+def _kill_leftovers(child: subprocess.Popen) -> None:
+    """SIGKILL what is left of an exited child's process group (its helper processes) and wait, at most
+    REAP_WAIT_S, until none of them runs: a GPU's memory is free once its holders have exited."""
+    try:
+        os.killpg(child.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return  # nothing left
+    deadline = time.monotonic() + REAP_WAIT_S
+    while _group_running(child.pid):
+        if time.monotonic() > deadline:
+            print(f"voxbatch: processes of worker pid {child.pid} still running {REAP_WAIT_S:.0f}s after SIGKILL",
+                  file=sys.stderr, flush=True)
+            return
+        time.sleep(0.05)
+
+
+def _group_running(pgid: int) -> bool:
+    """Whether a process of group `pgid` has not exited yet. A killed orphan stays a zombie until its new
+    parent reaps it, which holds no memory, so zombies do not count; where /proc cannot be read, any
+    member counts."""
+    try:
+        pids = [name for name in os.listdir("/proc") if name.isdigit()]
+    except OSError:
+        try:
+            os.killpg(pgid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()  # after "pid (comm)": state, ppid, pgrp, ...
+        except OSError:
+            continue  # exited meanwhile
+        if int(fields[2]) == pgid and fields[0] != b"Z":
+            return True
+    return False
 
 
 def run_workers(gpus: list[str] | None, concurrency: int | None = None, queues: str | None = None,
@@ -69,11 +117,13 @@ def run_workers(gpus: list[str] | None, concurrency: int | None = None, queues: 
         if stopping:
             for p in procs.values():
                 p.wait()
+                _kill_leftovers(p)
             return 0
         for slot, p in list(procs.items()):
             code = p.poll()
             if code is None:
                 continue
+            _kill_leftovers(p)
             if not restart:
                 return code
             if time.monotonic() - started[slot] >= HEALTHY_S:

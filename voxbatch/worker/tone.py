@@ -12,6 +12,8 @@ Two markers in a segment's text let tests drive the failure paths through real p
 `CRASH_MARKER` ("[[tone:crash]]") makes the whole worker process SIGKILL itself while rendering
 that segment, as the OOM killer or a driver fault would: nothing is recorded, the task stays unacked,
 and only the attempt counter in Redis stops the redelivered task from crashing workers forever.
+Before it dies it starts a helper process that would outlive it, as vLLM's engine core outlives a
+worker that aborts (its pid is in the crash line): the launcher must end it before the next worker starts.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import hashlib
 import os
 import re
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -47,8 +50,10 @@ def tone_samples(text: str) -> int:
 
 
 def _crash(segment_id: str) -> None:
-    """Die at once, no cleanup, no exception handler reached: SIGKILL, like the kernel's OOM killer."""
-    print(f"tone engine: segment {segment_id} asks for a crash; SIGKILL to pid {os.getpid()}",
+    """Die at once, no cleanup, no exception handler reached: SIGKILL, like the kernel's OOM killer,
+    leaving a helper process behind (one that sleeps, in the worker's process group)."""
+    helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+    print(f"tone engine: segment {segment_id} asks for a crash; helper pid {helper.pid}; SIGKILL to pid {os.getpid()}",
           file=sys.stderr, flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
 
