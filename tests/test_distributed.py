@@ -285,7 +285,7 @@ def test_failing_segment_is_retried_then_recorded_and_retry_reenqueues_only_it(c
     book = tmp_path / "book.md"
     book.write_text(f"# One\n\nA fine sentence here.\n\n# Two\n\nThis one breaks {FAIL_MARKER} on purpose.\n\n"
                     "# Three\n\nAnd this one is fine again.\n", encoding="utf-8")
-    cluster.start("worker", extra_env={"VOXBATCH_MAX_ATTEMPTS": "3"})
+    launcher = cluster.start("worker", extra_env={"VOXBATCH_MAX_ATTEMPTS": "3"})
     cluster.start("assembler")
     job_id = cluster.submit(book)
     status = cluster.wait_finished(job_id)
