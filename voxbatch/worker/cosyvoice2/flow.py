@@ -282,7 +282,8 @@ class _StepGraph:
             _graphs_failed = True
             return None
         if keep:
-            slot["last"] = graph  # the pool's previous graph (a finished batch's) is released only now
+            with cuda_graphs.registry(x.device):  # releasing the previous graph changes torch's set of graphs
+                slot["last"] = graph  # the pool's previous graph (a finished batch's) is released only now
         return cls(graph, t_in, dt_in)
 
     def replay(self, t: torch.Tensor, dt: torch.Tensor) -> None:
@@ -307,7 +308,8 @@ class _CachedStep:
         key = (id(cfm), tuple(x0.shape), *(tuple(b.shape) + (b.dtype,) for b in branches))
         entry = slot["cache"].get(key)
         if entry is not None and entry.cfm() is not cfm:  # a freed module's graph (its weights are gone)
-            del slot["cache"][key]
+            with cuda_graphs.registry(x0.device):
+                del slot["cache"][key]
             entry = None
         if entry is None:
             x, own = x0.clone(), tuple(b.clone() for b in branches)
@@ -319,9 +321,10 @@ class _CachedStep:
                     cfm._step(x, times[k], steps[k], own, False)
                 return x
             entry = cls(cfm, graph, x, own)
-            slot["cache"][key] = entry
-            while len(slot["cache"]) > GRAPH_CACHE_SIZE:
-                slot["cache"].popitem(last=False)
+            with cuda_graphs.registry(x0.device):
+                slot["cache"][key] = entry
+                while len(slot["cache"]) > GRAPH_CACHE_SIZE:
+                    slot["cache"].popitem(last=False)
             first = 1
         else:
             slot["cache"].move_to_end(key)

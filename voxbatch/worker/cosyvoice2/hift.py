@@ -268,7 +268,8 @@ class _RowGraph:
             log.warning("F0 CUDA graph unavailable (%s: %s); F0 runs eagerly", type(e).__name__, e)
             _f0_graphs_failed = True
             return None
-        slot["graphs"].put((width, with_phase), g)
+        with cuda_graphs.registry(mel.device):  # put() may release the oldest graphs
+            slot["graphs"].put((width, with_phase), g)
         return g
 
     def __call__(self, row: torch.Tensor, phase0: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from voxbatch.worker import timeline
+from voxbatch.worker.cosyvoice2 import cuda_graphs
 from voxbatch.worker.cosyvoice2.h2d import to_device
 from voxbatch.worker.cosyvoice2.llm import CosyVoice2LM, FlashUnavailable
 from voxbatch.worker.cosyvoice2.llm_backend import Feed, ListFeed, LlmBackend, LlmRequest, LlmResult, out_of_range
@@ -119,10 +120,12 @@ class _Rows:
         for w in self.widths:
             graph = torch.cuda.CUDAGraph()
             # thread_local: a capture may happen while the vocoder thread runs flow/HiFT (render captures
-            # a row count on first use); the default global mode fails that thread's CUDA calls.
-            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                self.step(w)
-            self.graphs[w] = graph
+            # a row count on first use); the default global mode fails that thread's CUDA calls. Under the
+            # process's graph lock (cuda_graphs.registry): no vocoder thread captures or releases meanwhile.
+            with cuda_graphs.registry(side.device):
+                with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                    self.step(w)
+                self.graphs[w] = graph  # a graph it replaces is released under the lock too
         torch.cuda.synchronize()
 
     @torch.inference_mode()
