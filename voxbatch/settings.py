@@ -110,8 +110,11 @@ class Settings(BaseSettings):
     # and that share of vllm_gpu_memory_utilization; each segment goes to the engine holding the fewest.
     # Why it might pay: a vLLM step at 256 rows is ~10 ms of which ~3 ms is GPU work, the rest one
     # Python thread (bench/results/gpu_h100_s37_vllm_pyspy.txt); two cores do that host work side by
-    # side. Needs the cores in their own processes (vllm_engine_process). Not measured yet: 1 until a
-    # worker A/B on a GPU (bench run key `vengines`, e.g. `vengines=2`).
+    # side. Needs the cores in their own processes (vllm_engine_process). Measured on an H100: the LLM
+    # alone at 256 rows, corpus longest text first, 22.5k tokens/s with 2 and 13.7k with 4 against 21.1k
+    # with 1, and 24.9k vs 31.6k at 256 fixed rows (bench/results/gpu_h100_s40b_vllm.json); the worker
+    # 260.7x with 2 against 256.2x with 1, one pair (gpu_h100_s40c_vllm_worker_log.txt). Inside the
+    # spread: 1 stays the default (bench run key `vengines`).
     vllm_engines: int = Field(1, ge=1, le=8)
     # Most segments the engine decodes at once (the torch backend's KV-cache rows, vLLM's max_num_seqs).
     # None: the engine picks (`llm_rows`, voxbatch/worker/cosyvoice2/engine.py): 256 with the LLM on
