@@ -233,6 +233,45 @@ def test_lookahead_queues_the_next_batch_before_waiting_for_the_last(engine, mon
     assert most[0] == (2 if ahead else 1)
 
 
+def test_a_lost_device_fails_the_batch_without_retrying_row_by_row(engine, monkeypatch):
+    """A CUDA kernel fault (torch.AcceleratorError: an illegal memory access) in a batch's audio leaves
+    nothing in the process able to render: the batch's rows come back marked `device_lost` (the pipeline
+    then ends the process) and are not rendered again one by one on the broken device."""
+    from voxbatch.worker.cosyvoice2 import engine as engine_mod
+    from voxbatch.worker.cosyvoice2 import streaming
+
+    monkeypatch.setattr(streaming, "CPU_VOCODER_THREADS", 1)
+    monkeypatch.setattr(streaming, "IDLE_BATCH_DIV", 1)
+    faulted, row_retries = [], []
+    real_results, real_vocode = engine_mod.VocodedBatch.results, CosyVoice2Engine.vocode
+
+    def results(self):
+        if len(self.items) > 1 and not faulted:
+            faulted.extend(item.request.segment_id for item in self.items)
+            raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
+        return real_results(self)
+
+    def vocode(self, items):
+        row_retries.append(len(items))
+        return real_vocode(self, items)
+
+    monkeypatch.setattr(engine_mod.VocodedBatch, "results", results)
+    monkeypatch.setattr(CosyVoice2Engine, "vocode", vocode)
+    batch = mixed(engine, 6)
+    rec = Recorder()
+    t, _ = serve(engine, batch, rec)
+    t.join(120)
+    assert not t.is_alive()
+    monkeypatch.undo()
+    assert faulted, "no multi-row batch"
+    assert sorted(rec.results) == sorted(r.segment_id for r in batch)
+    for sid in faulted:
+        res = rec.results[sid]
+        assert res.device_lost and res.audio is None and "illegal memory access" in res.error
+    assert row_retries == []
+    assert not any(rec.results[r.segment_id].device_lost for r in batch if r.segment_id not in faulted)
+
+
 class TrickleFeed:
     """One request at first, then one more becomes available at each look: the backend must grow its
     row count while rows decode (bucketed sizes 1 -> 2 -> 4 -> 8) and refill across the arrivals."""

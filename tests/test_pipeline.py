@@ -270,3 +270,49 @@ def test_segments_are_prepared_on_the_submitting_thread_not_the_engines(tmp_path
     ids = [seg.id for seg in spec.segments if seg is not odd]
     assert set(engine.rendered_prepared) == {("made ahead", i) for i in ids} | {None}  # only `odd` unprepared
     assert engine.rendered_prepared.count(("made ahead", bad.id)) >= 2  # its retry was prepared again
+
+
+def test_device_fault_is_only_a_cuda_kernel_fault():
+    """A CUDA error that leaves the process's CUDA context unusable is a lost device; out of memory, a
+    CUDA error that is only a bad call, and other errors are not."""
+    import torch
+
+    from voxbatch.worker.engine import device_fault
+
+    assert device_fault(torch.AcceleratorError("CUDA error: an illegal memory access was encountered"))
+    assert device_fault(torch.AcceleratorError("CUDA error: device-side assert triggered"))
+    assert not device_fault(torch.AcceleratorError("CUDA error: invalid argument"))
+    assert not device_fault(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB"))
+    assert not device_fault(ValueError("illegal memory access in the text"))
+
+
+def test_a_lost_device_stores_what_is_rendered_then_ends_the_process(tmp_path):
+    """An engine whose device faults mid-job (a CUDA kernel fault: every later batch would fail too)
+    does not fail segments one by one until their attempts are spent: what was rendered before is
+    stored, the faulting segment's error is not recorded (its attempt counts as lost with the worker),
+    and the pipeline calls `on_device_lost` (the worker process exits there and is restarted)."""
+    import torch
+
+    class FaultingEngine(ToneEngine):
+        def synthesize(self, batch):
+            for req in batch:
+                if "fault" in req.text:
+                    raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
+                yield from super().synthesize([req])
+
+    spec = make_job(4)
+    spec = spec.model_copy(update={"segments": [*spec.segments, Segment(chapter=0, index=4, text="this one meets a fault")]})
+    jobs = MemoryJobStore()
+    jobs.create(spec.id, spec.name, spec.voice, spec.format, len(spec.segments), 0.0)
+    lost, errors = threading.Event(), []
+    storage = SlowStorage(tmp_path, delay_s=0.05)  # uploads still running when the fault arrives
+    pipeline = Pipeline(FaultingEngine(max_batch=8), storage, jobs, Settings(batch_size=8, max_attempts=3),
+                        lambda _j: None, on_device_lost=lambda error: (errors.append(error), lost.set()))
+    with pipeline:
+        for task in render_tasks(spec, 8):
+            pipeline.submit(task)
+        assert lost.wait(30)
+        status = jobs.status("job1")
+    assert errors == ["AcceleratorError: CUDA error: an illegal memory access was encountered"]
+    assert status.done == 4 and storage.puts == 4  # stored before the process would end
+    assert status.failed == 0 and status.errors == {}  # nothing recorded against the segment

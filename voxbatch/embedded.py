@@ -26,6 +26,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -344,6 +346,16 @@ def feed_like_a_worker(pipeline: Pipeline, tasks: Iterator[RenderTask], settings
     return threads
 
 
+def _device_lost(error: str) -> None:
+    """`voxbatch render`'s end when the GPU fails for good mid-job (a CUDA kernel fault: nothing more can
+    run in this process): one line, and exit 1. The segments stored so far stay; the same command
+    renders only the rest."""
+    print(f"voxbatch render: the GPU failed ({error}); the segments stored so far are kept, run the same "
+          "command again to render the rest", file=sys.stderr, flush=True)
+    logging.shutdown()
+    os._exit(1)
+
+
 def _run(spec: JobSpec, storage: Storage, engine: Engine, settings: Settings,
          on_progress: Callable[[JobStatus], None] | None, times: RenderTimes) -> Manifest:
     watch = _ChapterWatch(spec, times)
@@ -353,7 +365,8 @@ def _run(spec: JobSpec, storage: Storage, engine: Engine, settings: Settings,
     assembly = JobAssembly(storage, spec, engine.sample_rate, settings)  # lists what an earlier run left first
     assembler = _Assembler(assembly, watch, jobs, spec).start()
     try:
-        pipeline = Pipeline(engine, storage, jobs, settings, on_job_complete=lambda _job: finished.set()).start()
+        pipeline = Pipeline(engine, storage, jobs, settings, on_job_complete=lambda _job: finished.set(),
+                            on_device_lost=_device_lost).start()
         try:
             for feeder in feed_like_a_worker(pipeline, render_tasks(spec, settings.batch_size), settings, engine.max_batch):
                 while feeder.is_alive():

@@ -9,6 +9,7 @@ the threads: it feeds `Engine.serve` from an intake queue and takes finished aud
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -46,6 +47,31 @@ class SynthesisResult:
     # The error was a service outage (voxbatch.outage.is_outage: e.g. a voice profile that could not be
     # fetched), not the segment's own: the pipeline retries it without counting an attempt.
     outage: bool = False
+    # The engine's device can run nothing more in this process (`device_fault`), which is not the
+    # segment's fault either: the pipeline ends the process so it is restarted, and the segment's
+    # attempt counts as lost with its worker.
+    device_lost: bool = False
+
+    @classmethod
+    def failed(cls, request: SynthesisRequest, e: BaseException) -> SynthesisResult:
+        """The result of a request whose rendering raised `e`, marked an outage or a lost device where it is one."""
+        return cls(request, None, f"{type(e).__name__}: {e}", outage=is_outage(e), device_lost=device_fault(e))
+
+
+# What torch's CUDA errors say when a kernel fault has left the process's CUDA context unusable (the
+# runtime's "sticky" errors: every later call fails the same way). Out of memory is not one of them.
+_DEVICE_FAULTS = ("illegal memory access", "unspecified launch failure", "device-side assert", "misaligned address",
+                  "illegal instruction", "hardware stack error", "invalid program counter", "uncorrectable ECC error")
+
+
+def device_fault(e: BaseException) -> bool:
+    """Whether `e` is a CUDA error after which nothing more can run on the device in this process:
+    rendered on, every later batch would fail the same way, each failure spending an attempt of a
+    segment that did nothing wrong. Torch raises these as `torch.AcceleratorError` (a RuntimeError
+    saying "CUDA error: ..."); torch is not imported here for it."""
+    torch = sys.modules.get("torch")
+    kinds = tuple(k for k in (getattr(torch, "AcceleratorError", None),) if k is not None) or (RuntimeError,)
+    return isinstance(e, kinds) and "CUDA error" in str(e) and any(m in str(e) for m in _DEVICE_FAULTS)
 
 
 class Engine(ABC):
@@ -142,8 +168,9 @@ class Engine(ABC):
                 pending.pop(id(result.request), None)
                 emit(result)
         except Exception as e:  # noqa: BLE001 - any engine failure becomes a per-segment error
-            if len(batch) == 1:
-                emit(SynthesisResult(batch[0], None, f"{type(e).__name__}: {e}", outage=is_outage(e)))
+            if len(batch) == 1 or device_fault(e):  # a lost device fails every row alike: no retry row by row
+                for r in pending.values():
+                    emit(SynthesisResult.failed(r, e))
                 return
             for r in pending.values():
                 self._run_batch([r], emit)

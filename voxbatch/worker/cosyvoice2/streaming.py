@@ -37,7 +37,7 @@ from contextlib import ExitStack
 import torch
 
 from voxbatch.worker import timeline
-from voxbatch.worker.engine import SynthesisRequest, SynthesisResult
+from voxbatch.worker.engine import SynthesisRequest, SynthesisResult, device_fault
 
 log = logging.getLogger(__name__)
 
@@ -466,11 +466,11 @@ class _Vocoder:
                 results = []
                 for item in batch:
                     try:
-                        if len(batch) == 1:
+                        if len(batch) == 1 or device_fault(e):  # a lost device fails every row alike
                             raise e
                         results += list(s.engine.vocode([item]))
                     except Exception as e1:  # noqa: BLE001
-                        results.append(SynthesisResult(item.request, None, f"{type(e1).__name__}: {e1}"))
+                        results.append(SynthesisResult.failed(item.request, e1))
             timeline.event("vocode_ms", round(1000 * (time.perf_counter() - began)))  # rendered, before the emits
             audio_s = 0.0
             for r in results:
@@ -571,6 +571,6 @@ class StreamingScheduler:
             try:
                 results = list(self.engine._run([item]))
             except Exception as e:  # noqa: BLE001
-                results = [SynthesisResult(item.request, None, f"{type(e).__name__}: {e}")]
+                results = [SynthesisResult.failed(item.request, e)]
             for r in results:
                 self.emit(r)
