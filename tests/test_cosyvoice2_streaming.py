@@ -163,6 +163,32 @@ def test_llm_failure_renders_what_was_in_flight_one_at_a_time(engine, monkeypatc
         np.testing.assert_allclose(rec.results[r.segment_id].audio, alone(engine, r), rtol=0, atol=BATCH_ATOL)
 
 
+def test_a_lost_llm_fails_what_it_held_without_rendering_it_alone(engine, monkeypatch):
+    """An LLM backend that can serve nothing more (EngineLost: its vLLM core died) fails every request
+    it held with `engine_lost` (the pipeline then ends the process), instead of trying each one alone
+    on the dead backend, spending their attempts."""
+    from voxbatch.worker.engine import EngineLost
+
+    batch = mixed(engine, 5)
+    alone_runs = []
+
+    def dead(self, feed):
+        yield from ()
+        feed.take(len(batch), wait=True)  # the backend takes requests, then its engine dies
+        raise EngineLost("the vLLM engine failed earlier")
+
+    monkeypatch.setattr(type(engine.llm), "stream", dead)
+    monkeypatch.setattr(CosyVoice2Engine, "_run", lambda self, items: alone_runs.append(len(items)) or iter(()))
+    rec = Recorder()
+    t, _ = serve(engine, batch, rec)
+    t.join(60)
+    monkeypatch.undo()
+    assert not t.is_alive()
+    assert rec.results and alone_runs == []
+    for res in rec.results.values():
+        assert res.engine_lost and res.audio is None and "failed earlier" in res.error
+
+
 def test_bad_voice_fails_only_its_segment(engine, lookahead):
     good = mixed(engine, 2)
     bad = SynthesisRequest("bad", TEXTS[0], "nobody", 1, SynthesisParams(max_tokens=4))
@@ -235,7 +261,7 @@ def test_lookahead_queues_the_next_batch_before_waiting_for_the_last(engine, mon
 
 def test_a_lost_device_fails_the_batch_without_retrying_row_by_row(engine, monkeypatch):
     """A CUDA kernel fault (torch.AcceleratorError: an illegal memory access) in a batch's audio leaves
-    nothing in the process able to render: the batch's rows come back marked `device_lost` (the pipeline
+    nothing in the process able to render: the batch's rows come back marked `engine_lost` (the pipeline
     then ends the process) and are not rendered again one by one on the broken device."""
     from voxbatch.worker.cosyvoice2 import engine as engine_mod
     from voxbatch.worker.cosyvoice2 import streaming
@@ -267,9 +293,9 @@ def test_a_lost_device_fails_the_batch_without_retrying_row_by_row(engine, monke
     assert sorted(rec.results) == sorted(r.segment_id for r in batch)
     for sid in faulted:
         res = rec.results[sid]
-        assert res.device_lost and res.audio is None and "illegal memory access" in res.error
+        assert res.engine_lost and res.audio is None and "illegal memory access" in res.error
     assert row_retries == []
-    assert not any(rec.results[r.segment_id].device_lost for r in batch if r.segment_id not in faulted)
+    assert not any(rec.results[r.segment_id].engine_lost for r in batch if r.segment_id not in faulted)
 
 
 class TrickleFeed:

@@ -272,25 +272,25 @@ def test_segments_are_prepared_on_the_submitting_thread_not_the_engines(tmp_path
     assert engine.rendered_prepared.count(("made ahead", bad.id)) >= 2  # its retry was prepared again
 
 
-def test_device_fault_is_only_a_cuda_kernel_fault():
+def test_is_engine_lost_is_only_a_cuda_kernel_fault():
     """A CUDA error that leaves the process's CUDA context unusable is a lost device; out of memory, a
     CUDA error that is only a bad call, and other errors are not."""
     import torch
 
-    from voxbatch.worker.engine import device_fault
+    from voxbatch.worker.engine import is_engine_lost
 
-    assert device_fault(torch.AcceleratorError("CUDA error: an illegal memory access was encountered"))
-    assert device_fault(torch.AcceleratorError("CUDA error: device-side assert triggered"))
-    assert not device_fault(torch.AcceleratorError("CUDA error: invalid argument"))
-    assert not device_fault(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB"))
-    assert not device_fault(ValueError("illegal memory access in the text"))
+    assert is_engine_lost(torch.AcceleratorError("CUDA error: an illegal memory access was encountered"))
+    assert is_engine_lost(torch.AcceleratorError("CUDA error: device-side assert triggered"))
+    assert not is_engine_lost(torch.AcceleratorError("CUDA error: invalid argument"))
+    assert not is_engine_lost(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB"))
+    assert not is_engine_lost(ValueError("illegal memory access in the text"))
 
 
 def test_a_lost_device_stores_what_is_rendered_then_ends_the_process(tmp_path):
     """An engine whose device faults mid-job (a CUDA kernel fault: every later batch would fail too)
     does not fail segments one by one until their attempts are spent: what was rendered before is
     stored, the faulting segment's error is not recorded (its attempt counts as lost with the worker),
-    and the pipeline calls `on_device_lost` (the worker process exits there and is restarted)."""
+    and the pipeline calls `on_engine_lost` (the worker process exits there and is restarted)."""
     import torch
 
     class FaultingEngine(ToneEngine):
@@ -307,7 +307,7 @@ def test_a_lost_device_stores_what_is_rendered_then_ends_the_process(tmp_path):
     lost, errors = threading.Event(), []
     storage = SlowStorage(tmp_path, delay_s=0.05)  # uploads still running when the fault arrives
     pipeline = Pipeline(FaultingEngine(max_batch=8), storage, jobs, Settings(batch_size=8, max_attempts=3),
-                        lambda _j: None, on_device_lost=lambda error: (errors.append(error), lost.set()))
+                        lambda _j: None, on_engine_lost=lambda error: (errors.append(error), lost.set()))
     with pipeline:
         for task in render_tasks(spec, 8):
             pipeline.submit(task)

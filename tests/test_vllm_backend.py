@@ -787,3 +787,33 @@ def test_two_engines_share_the_rows_and_draw_the_same_tokens(tiny_model_dir, bac
         assert all(d.load() == 0 for d in two.drivers)  # every request left its engine
     finally:
         two.close()
+
+
+def test_a_failed_engine_step_loses_the_backend_for_good(tiny_model_dir, ref, min_len, max_model_len, tmp_path):
+    """An engine step that raises (the core died, the GPU faulted) fails the call in flight and every
+    later one with EngineLost, which the pipeline takes as the worker's loss, not the segments' (it
+    ends the process instead of spending every later segment's attempts on a dead engine)."""
+    _vllm_or_skip()
+    from voxbatch.worker.cosyvoice2.vllm_backend import VllmLlmBackend, VllmOptions, plugin_installed
+    from voxbatch.worker.engine import EngineLost, is_engine_lost
+
+    if not plugin_installed():
+        pytest.skip("voxbatch is not installed (pip install -e .): no vllm.general_plugins entry point for the engine-core process")
+    # The core in its own process (the GPU default): a second in-process engine would take down, as it
+    # closes, the parallel state the module's in-process engine runs on.
+    b = VllmLlmBackend(tiny_model_dir, VllmOptions(max_model_len=max_model_len, max_num_seqs=8, export_cache_dir=str(tmp_path),
+                                                   dtype="float32", engine_process=True))
+    try:
+        (driver,) = b.drivers
+
+        def dead_step():
+            raise RuntimeError("EngineCore encountered an issue (simulated)")
+
+        driver.engine.step = dead_step
+        with pytest.raises(EngineLost, match="step failed") as first:
+            list(b.generate([_fixture_request(ref, min_len, max_tokens=3, min_tokens=3)]))
+        with pytest.raises(EngineLost, match="failed earlier") as later:
+            list(b.generate([_fixture_request(ref, min_len, max_tokens=3, min_tokens=3)]))
+        assert is_engine_lost(first.value) and is_engine_lost(later.value)
+    finally:
+        b.close()

@@ -346,12 +346,12 @@ def feed_like_a_worker(pipeline: Pipeline, tasks: Iterator[RenderTask], settings
     return threads
 
 
-def _device_lost(error: str) -> None:
-    """`voxbatch render`'s end when the GPU fails for good mid-job (a CUDA kernel fault: nothing more can
-    run in this process): one line, and exit 1. The segments stored so far stay; the same command
-    renders only the rest."""
-    print(f"voxbatch render: the GPU failed ({error}); the segments stored so far are kept, run the same "
-          "command again to render the rest", file=sys.stderr, flush=True)
+def _engine_lost(error: str) -> None:
+    """`voxbatch render`'s end when the engine fails for good mid-job (a CUDA kernel fault: nothing more can
+    run on the GPU in this process): one line, and exit 1. The segments stored so far stay; the same
+    command renders only the rest."""
+    print(f"voxbatch render: the engine failed for good ({error}); the segments stored so far are kept, run "
+          "the same command again to render the rest", file=sys.stderr, flush=True)
     logging.shutdown()
     os._exit(1)
 
@@ -366,7 +366,7 @@ def _run(spec: JobSpec, storage: Storage, engine: Engine, settings: Settings,
     assembler = _Assembler(assembly, watch, jobs, spec).start()
     try:
         pipeline = Pipeline(engine, storage, jobs, settings, on_job_complete=lambda _job: finished.set(),
-                            on_device_lost=_device_lost).start()
+                            on_engine_lost=_engine_lost).start()
         try:
             for feeder in feed_like_a_worker(pipeline, render_tasks(spec, settings.batch_size), settings, engine.max_batch):
                 while feeder.is_alive():

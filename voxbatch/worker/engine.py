@@ -47,15 +47,20 @@ class SynthesisResult:
     # The error was a service outage (voxbatch.outage.is_outage: e.g. a voice profile that could not be
     # fetched), not the segment's own: the pipeline retries it without counting an attempt.
     outage: bool = False
-    # The engine's device can run nothing more in this process (`device_fault`), which is not the
-    # segment's fault either: the pipeline ends the process so it is restarted, and the segment's
-    # attempt counts as lost with its worker.
-    device_lost: bool = False
+    # The engine can render nothing more in this process (`is_engine_lost`: its GPU faulted, or a process
+    # it needs died), which is not the segment's fault either: the pipeline ends the process so it is
+    # restarted, and the segment's attempt counts as lost with its worker.
+    engine_lost: bool = False
 
     @classmethod
     def failed(cls, request: SynthesisRequest, e: BaseException) -> SynthesisResult:
-        """The result of a request whose rendering raised `e`, marked an outage or a lost device where it is one."""
-        return cls(request, None, f"{type(e).__name__}: {e}", outage=is_outage(e), device_lost=device_fault(e))
+        """The result of a request whose rendering raised `e`, marked an outage or a lost engine where it is one."""
+        return cls(request, None, f"{type(e).__name__}: {e}", outage=is_outage(e), engine_lost=is_engine_lost(e))
+
+
+class EngineLost(RuntimeError):
+    """Raised by an engine, or a part of one, that can serve nothing more in this process (e.g. the vLLM
+    engine core it drives has died): every later request would fail the same way."""
 
 
 # What torch's CUDA errors say when a kernel fault has left the process's CUDA context unusable (the
@@ -64,11 +69,13 @@ _DEVICE_FAULTS = ("illegal memory access", "unspecified launch failure", "device
                   "illegal instruction", "hardware stack error", "invalid program counter", "uncorrectable ECC error")
 
 
-def device_fault(e: BaseException) -> bool:
-    """Whether `e` is a CUDA error after which nothing more can run on the device in this process:
-    rendered on, every later batch would fail the same way, each failure spending an attempt of a
-    segment that did nothing wrong. Torch raises these as `torch.AcceleratorError` (a RuntimeError
-    saying "CUDA error: ..."); torch is not imported here for it."""
+def is_engine_lost(e: BaseException) -> bool:
+    """Whether nothing more can be rendered in this process after `e`: an `EngineLost`, or a CUDA kernel
+    fault. Rendered on, every later batch would fail the same way, each failure spending an attempt of a
+    segment that did nothing wrong. Torch raises kernel faults as `torch.AcceleratorError` (a
+    RuntimeError saying "CUDA error: ..."); torch is not imported here for it."""
+    if isinstance(e, EngineLost):
+        return True
     torch = sys.modules.get("torch")
     kinds = tuple(k for k in (getattr(torch, "AcceleratorError", None),) if k is not None) or (RuntimeError,)
     return isinstance(e, kinds) and "CUDA error" in str(e) and any(m in str(e) for m in _DEVICE_FAULTS)
@@ -168,7 +175,7 @@ class Engine(ABC):
                 pending.pop(id(result.request), None)
                 emit(result)
         except Exception as e:  # noqa: BLE001 - any engine failure becomes a per-segment error
-            if len(batch) == 1 or device_fault(e):  # a lost device fails every row alike: no retry row by row
+            if len(batch) == 1 or is_engine_lost(e):  # a lost engine fails every row alike: no retry row by row
                 for r in pending.values():
                     emit(SynthesisResult.failed(r, e))
                 return

@@ -14,11 +14,11 @@ keeps its audio and retries the upload, spending no render attempt, for up to `o
 queue fills and the engine stops rendering what could not be stored. Only an error of the segment
 itself (the engine failed on it) counts as an attempt. A pipeline thread that dies anyway takes the
 process down (`_guarded`), so the launcher or the orchestrator restarts it: a worker that says
-`ready.` and renders nothing is worse than one that restarts. So does a lost device (a result marked
-`device_lost`: a CUDA kernel fault leaves nothing in the process able to render): what is already
-rendered is stored first, the segment's error is not recorded (its attempt counts as lost with the
-worker, as after a SIGKILL), and the process ends (`DEVICE_LOST_EXIT`) instead of failing every
-segment that follows.
+`ready.` and renders nothing is worse than one that restarts. So does a lost engine (a result marked
+`engine_lost`: a CUDA kernel fault, or a dead vLLM engine core, leaves nothing in the process able to
+render): what is already rendered is stored first, the segment's error is not recorded (its attempt
+counts as lost with the worker, as after a SIGKILL), and the process ends (`ENGINE_LOST_EXIT`)
+instead of failing every segment that follows.
 
 Storage keys are derived here from (job, chapter, segment) through voxbatch/keys.py, never taken
 from a message. A job missing from Redis (a Redis restarted without persistence) is not cancelled:
@@ -60,12 +60,12 @@ T = TypeVar("T")
 
 # Exit status of a worker process whose pipeline thread died (the launcher restarts it).
 THREAD_DIED_EXIT = 70
-# Exit status of a worker process whose engine lost its device (the launcher restarts it).
-DEVICE_LOST_EXIT = 75
-# How long a process that lost its device keeps storing what was rendered before it ends.
-DEVICE_LOST_FLUSH_S = 60.0
+# Exit status of a worker process whose engine can render nothing more (the launcher restarts it).
+ENGINE_LOST_EXIT = 75
+# How long a process whose engine is lost keeps storing what was rendered before it ends.
+ENGINE_LOST_FLUSH_S = 60.0
 
-__all__ = ["Pipeline", "TaskHandle", "TaskAbandoned", "THREAD_DIED_EXIT", "DEVICE_LOST_EXIT"]
+__all__ = ["Pipeline", "TaskHandle", "TaskAbandoned", "THREAD_DIED_EXIT", "ENGINE_LOST_EXIT"]
 
 
 def _exit_process(thread_name: str) -> None:
@@ -74,10 +74,10 @@ def _exit_process(thread_name: str) -> None:
     os._exit(THREAD_DIED_EXIT)
 
 
-def _exit_device_lost(error: str) -> None:
-    """Default reaction to a lost device: flush the logs and end the process at once."""
+def _exit_engine_lost(error: str) -> None:
+    """Default reaction to a lost engine: flush the logs and end the process at once."""
     logging.shutdown()
-    os._exit(DEVICE_LOST_EXIT)
+    os._exit(ENGINE_LOST_EXIT)
 
 
 class TaskHandle:
@@ -145,13 +145,13 @@ class Pipeline:
     def __init__(self, engine: Engine, storage: Storage, jobs: JobStore, settings: Settings,
                  on_job_complete: Callable[[str], None], metrics=None,
                  on_thread_death: Callable[[str], None] = _exit_process,
-                 on_device_lost: Callable[[str], None] = _exit_device_lost):
+                 on_engine_lost: Callable[[str], None] = _exit_engine_lost):
         self.engine, self.storage, self.jobs, self.settings = engine, storage, jobs, settings
         self.on_job_complete = on_job_complete
         self.metrics = metrics
         self.on_thread_death = on_thread_death
-        self.on_device_lost = on_device_lost
-        self._device_lost = threading.Lock()  # the first lost-device result ends the process; later ones wait
+        self.on_engine_lost = on_engine_lost
+        self._engine_lost_once = threading.Lock()  # the first lost-engine result ends the process; later ones wait
         self.cache = SegmentCache(storage, engine.fingerprint())
         # A task's segments are looked up in storage (done? cached?) this many at a time: a resubmitted
         # book is mostly cache hits, two storage round trips each.
@@ -400,8 +400,8 @@ class Pipeline:
         return admitted
 
     def _emit(self, result: SynthesisResult) -> None:
-        if result.device_lost:
-            self._lose_device(result)
+        if result.engine_lost:
+            self._lose_engine(result)
             return
         with self._unstored_cv:
             self._unstored += 1
@@ -412,19 +412,19 @@ class Pipeline:
             self.output.put(result)
             self.engine_waited_s += time.perf_counter() - t0
 
-    def _lose_device(self, result: SynthesisResult) -> None:
-        """The engine's device can run nothing more: store what is already rendered (at most
-        DEVICE_LOST_FLUSH_S), record nothing for this segment, and end the process (`on_device_lost`).
-        Other engine threads that report the same fault meanwhile wait here."""
-        with self._device_lost:
+    def _lose_engine(self, result: SynthesisResult) -> None:
+        """The engine can render nothing more: store what is already rendered (at most
+        ENGINE_LOST_FLUSH_S), record nothing for this segment, and end the process (`on_engine_lost`).
+        Other engine threads that report the same loss meanwhile wait here."""
+        with self._engine_lost_once:
             tag = result.request.tag
             where = f"{tag.handle.task.job_id}/{tag.segment.id}" if isinstance(tag, _Tag) else result.request.segment_id
-            log.critical("engine device lost (%s, rendering segment %s); storing what is rendered, then ending the "
+            log.critical("engine lost (%s, rendering segment %s); storing what is rendered, then ending the "
                          "worker process so it is restarted", result.error, where)
             try:
-                self._wait_until_stored(DEVICE_LOST_FLUSH_S)
+                self._wait_until_stored(ENGINE_LOST_FLUSH_S)
             finally:
-                self.on_device_lost(result.error or "device lost")
+                self.on_engine_lost(result.error or "engine lost")
 
     # -- output ------------------------------------------------------------------------------
     def _upload_loop(self) -> None:

@@ -37,7 +37,7 @@ from contextlib import ExitStack
 import torch
 
 from voxbatch.worker import timeline
-from voxbatch.worker.engine import SynthesisRequest, SynthesisResult, device_fault
+from voxbatch.worker.engine import SynthesisRequest, SynthesisResult, is_engine_lost
 
 log = logging.getLogger(__name__)
 
@@ -466,7 +466,7 @@ class _Vocoder:
                 results = []
                 for item in batch:
                     try:
-                        if len(batch) == 1 or device_fault(e):  # a lost device fails every row alike
+                        if len(batch) == 1 or is_engine_lost(e):  # a lost engine fails every row alike
                             raise e
                         results += list(s.engine.vocode([item]))
                     except Exception as e1:  # noqa: BLE001
@@ -548,6 +548,9 @@ class StreamingScheduler:
                 for key, tokens in self.engine.llm.stream(self.feed):
                     self._finished_row(key, tokens)
             except Exception as e:  # noqa: BLE001 - what the LLM was decoding is rendered alone
+                if is_engine_lost(e):  # nothing can render here any more: what was in flight is lost with it
+                    self._lost_in_flight(e)
+                    continue
                 log.warning("LLM batch failed (%s: %s); rendering its %d requests one at a time",
                             type(e).__name__, e, len(self.feed.inflight))
                 self._one_at_a_time()
@@ -563,6 +566,12 @@ class StreamingScheduler:
         self.vocoder.put(item)
         if not self.feed.inflight and not self.intake.qsize():  # the LLM is out of work: flow/HiFT alone from here
             timeline.event("llm_done", 0)
+
+    def _lost_in_flight(self, e: Exception) -> None:
+        """The LLM can serve nothing more (`is_engine_lost`): each request it held comes back marked so."""
+        items, self.feed.inflight = list(self.feed.inflight.values()), {}
+        for item in items:
+            self.emit(SynthesisResult.failed(item.request, e))
 
     def _one_at_a_time(self) -> None:
         self.vocoder.drain()

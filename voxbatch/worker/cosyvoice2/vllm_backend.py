@@ -47,6 +47,7 @@ from voxbatch.worker.cosyvoice2.checkpoint import load_state_dict
 from voxbatch.worker.cosyvoice2.llm import SOS, TASK_ID, LlmDims
 from voxbatch.worker.cosyvoice2.llm_backend import Feed, LlmBackend, LlmRequest, LlmResult, out_of_range
 from voxbatch.worker.cosyvoice2.vllm_export import export_for_vllm
+from voxbatch.worker.engine import EngineLost
 
 log = logging.getLogger(__name__)
 
@@ -294,7 +295,7 @@ class VllmLlmBackend(LlmBackend):
         (held, or on their way to it); their results reach `job` under `indices`."""
         for d in self.drivers:
             if d.failed is not None:
-                raise RuntimeError("the vLLM engine failed earlier") from d.failed
+                raise EngineLost("the vLLM engine failed earlier") from d.failed
         ids = [f"r{next(self._ids)}" for _ in requests]
         items = [(rid, {"prompt_embeds": self.embedder(r).to(self.dtype)}, self._sampling_params(r)) for rid, r in zip(ids, requests)]
         index_of = dict(zip(ids, indices))
@@ -320,10 +321,14 @@ class VllmLlmBackend(LlmBackend):
             item = job.results.get(timeout=timeout)
         except queue.Empty:
             for d in self.drivers:
-                if not d.thread.is_alive():  # stopped or failed before taking this call
-                    raise RuntimeError("the vLLM driver thread is not running") from d.failed
+                if d.failed is not None:  # its engine failed: nothing more can be decoded here
+                    raise EngineLost("the vLLM engine failed earlier") from d.failed
+                if not d.thread.is_alive():  # stopped (closed) before taking this call
+                    raise RuntimeError("the vLLM driver thread is not running")
             return None
-        if isinstance(item, BaseException):
+        if isinstance(item, EngineLost):
+            raise item
+        if isinstance(item, BaseException):  # this batch's request was refused
             raise RuntimeError(f"vLLM failed on this batch: {item}") from item
         return item
 
@@ -454,8 +459,10 @@ class _Driver:
             except Exception as e:  # noqa: BLE001 - handed to every waiting caller, then the loop ends
                 log.exception("vLLM engine step failed")
                 self.failed = e
+                lost = EngineLost(f"the vLLM engine step failed: {type(e).__name__}: {e}")
+                lost.__cause__ = e
                 for job, _ in owners.values():
-                    job.results.put(e)
+                    job.results.put(lost)
                 return
             for out in outputs:
                 if not out.finished or out.request_id not in owners:
