@@ -347,9 +347,9 @@ def feed_like_a_worker(pipeline: Pipeline, tasks: Iterator[RenderTask], settings
 
 
 def _engine_lost(error: str) -> None:
-    """`voxbatch render`'s end when the engine fails for good mid-job (a CUDA kernel fault: nothing more can
-    run on the GPU in this process): one line, and exit 1. The segments stored so far stay; the same
-    command renders only the rest."""
+    """`voxbatch render`'s end when the engine fails for good mid-job (a CUDA kernel fault, a dead LLM
+    engine: nothing more can render in this process): one line, and exit 1. The segments stored so far
+    stay; the same command renders only the rest."""
     print(f"voxbatch render: the engine failed for good ({error}); the segments stored so far are kept, run "
           "the same command again to render the rest", file=sys.stderr, flush=True)
     logging.shutdown()
