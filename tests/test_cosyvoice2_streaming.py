@@ -73,6 +73,17 @@ def serve(engine, requests, rec: Recorder, close: bool = True) -> tuple[threadin
     return t, intake
 
 
+def serve_to_the_end(engine, requests, monkeypatch) -> Recorder:
+    """serve() until the intake ends, the patches undone after; every request came back, one result each."""
+    rec = Recorder()
+    t, _ = serve(engine, requests, rec)
+    t.join(120)
+    assert not t.is_alive()
+    monkeypatch.undo()
+    assert sorted(rec.results) == sorted(r.segment_id for r in requests)
+    return rec
+
+
 def mixed(engine, n: int, start: int = 0) -> list[SynthesisRequest]:
     wants = [4, 20, 8, 30, 6, 12]
     return [req(start + i, TEXTS[i % len(TEXTS)], exact_bound(engine, TEXTS[i % len(TEXTS)], wants[i % len(wants)]))
@@ -245,13 +256,8 @@ def test_lookahead_queues_the_next_batch_before_waiting_for_the_last(engine, mon
     monkeypatch.setattr(CosyVoice2Engine, "vocode_launch", vocode_launch)
     monkeypatch.setattr(engine_mod.VocodedBatch, "results", results)
     batch = mixed(engine, 12)
-    rec = Recorder()
-    t, _ = serve(engine, batch, rec)
-    t.join(120)
-    assert not t.is_alive()
-    monkeypatch.undo()
+    rec = serve_to_the_end(engine, batch, monkeypatch)
     assert failed, "no multi-row batch"
-    assert sorted(rec.results) == sorted(r.segment_id for r in batch)
     for r in batch:
         res = rec.results[r.segment_id]
         assert res.error is None, res.error
@@ -284,13 +290,8 @@ def test_a_lost_device_fails_the_batch_without_retrying_row_by_row(engine, monke
     monkeypatch.setattr(engine_mod.VocodedBatch, "results", results)
     monkeypatch.setattr(CosyVoice2Engine, "vocode", vocode)
     batch = mixed(engine, 6)
-    rec = Recorder()
-    t, _ = serve(engine, batch, rec)
-    t.join(120)
-    assert not t.is_alive()
-    monkeypatch.undo()
+    rec = serve_to_the_end(engine, batch, monkeypatch)
     assert faulted, "no multi-row batch"
-    assert sorted(rec.results) == sorted(r.segment_id for r in batch)
     for sid in faulted:
         res = rec.results[sid]
         assert res.engine_lost and res.audio is None and "illegal memory access" in res.error
