@@ -456,3 +456,11 @@ def test_worker_launcher_pins_one_process_per_gpu(cluster):
     assert "voxbatch-gpu0@" in log and "voxbatch-gpu1@" in log
     assert "worker for GPU 0: CUDA_VISIBLE_DEVICES=0" in log
     assert "worker for GPU 1: CUDA_VISIBLE_DEVICES=1" in log
+    # A closed terminal (SIGHUP to the launcher): each worker leads a session of its own, so the launcher
+    # stops them itself, and nothing of theirs keeps running.
+    children = [int(pid) for pid in subprocess.run(["pgrep", "-P", str(launcher.proc.pid)], capture_output=True,
+                                                   text=True).stdout.split()]
+    assert len(children) == 2
+    os.kill(launcher.proc.pid, signal.SIGHUP)
+    assert launcher.proc.wait(30) == 0
+    assert not [pid for pid in children if _running(pid)]

@@ -111,6 +111,9 @@ def run_workers(gpus: list[str] | None, concurrency: int | None = None, queues: 
 
     signal.signal(signal.SIGTERM, _forward)
     signal.signal(signal.SIGINT, _forward)
+    # A closed terminal: each child is in a session of its own (see _spawn) and no longer gets the
+    # terminal's SIGHUP, so the launcher stops them as it would on SIGTERM instead of leaving them running.
+    signal.signal(signal.SIGHUP, lambda _signum, frame: _forward(signal.SIGTERM, frame))
     restarts = {slot: 0 for slot in slots}
     while True:
         time.sleep(0.5)
