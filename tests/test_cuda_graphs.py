@@ -60,56 +60,18 @@ def test_capture_while_another_thread_captures_on_gpu() -> None:
     torch.testing.assert_close(out, x @ x)
 
 
-_TWO_THREADS = r"""
-import sys, threading, torch
-from voxbatch.worker.cosyvoice2 import cuda_graphs
-
-def vocoder_like(seed, rounds, errors):
-    # Per round, as a vocoder thread does per flow batch: capture a graph through cuda_graphs.capture,
-    # replay it nine times, release the previous round's graph under the lock.
-    try:
-        g = torch.Generator(device="cuda").manual_seed(seed)
-        x = torch.randn(128, 128, device="cuda", generator=g)
-        out, stream, pool, last = torch.empty_like(x), torch.cuda.Stream(), torch.cuda.graph_pool_handle(), None
-        with torch.cuda.stream(stream):
-            torch.matmul(x, x, out=out)  # warm-up outside the capture
-            for _ in range(rounds):
-                graph = torch.cuda.CUDAGraph()
-                cuda_graphs.capture(graph, stream, pool, lambda: torch.matmul(x, x, out=out).relu_())
-                with cuda_graphs.registry(x.device):
-                    last = graph
-                for _ in range(9):
-                    out.zero_()
-                    last.replay()
-        stream.synchronize()
-        torch.testing.assert_close(out, (x @ x).relu_())
-    except Exception as e:  # noqa: BLE001 - reported below
-        errors.append(repr(e))
-
-errors = []
-threads = [threading.Thread(target=vocoder_like, args=(seed, int(sys.argv[1]), errors)) for seed in (1, 2)]
-for t in threads:
-    t.start()
-for t in threads:
-    t.join()
-torch.cuda.synchronize()
-print("errors:", errors)
-sys.exit(1 if errors else 0)
-"""
-
 
 @pytest.mark.gpu
-def test_two_threads_capture_replay_and_release_graphs_on_gpu(tmp_path) -> None:
+def test_two_threads_capture_replay_and_release_graphs_on_gpu() -> None:
     """Two threads each capture a graph per round, replay it and release the last one, in a process with
     no other graph (a worker on vLLM: the LLM's graphs live in the engine core's process), as the two
     vocoder threads do per flow batch. Torch up to 2.12 keeps all captures' RNG bookkeeping in one
     unlocked object per generator, freed when its last graph goes (cuda_graphs' docstring); through
     cuda_graphs.capture and registry every round ends with the right output and the process exits cleanly.
-    Its own process: a corrupted CUDA context would take pytest down with it."""
-    script = tmp_path / "two_threads.py"
-    script.write_text(_TWO_THREADS)
+    The loop is bench/graph_race.py's (its `locked` variant, which the bench sets beside the unlocked one),
+    in a process of its own: a corrupted CUDA context would take pytest down with it."""
     path = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
-    proc = subprocess.run([sys.executable, str(script), "400"], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": path})
+    proc = subprocess.run([sys.executable, "-m", "bench.graph_race", "--child", "locked", "--rounds", "400"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": path})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert "errors: []" in proc.stdout
+    assert '"errors": []' in proc.stdout
