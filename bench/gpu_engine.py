@@ -406,7 +406,7 @@ RUN_KEYS = {"rows": "engine_max_batch", "flow": "engine_flow_batch", "task": "ba
             "format": "output_format", "gil": "gil_switch_interval_ms", "vocoders": "engine_vocoder_threads",
             "backend": "llm_backend", "process": "vllm_engine_process", "async": "vllm_async_scheduling",
             "vgraphs": "vllm_cudagraph_max_tokens", "vmode": "vllm_cudagraph_mode", "vgroup": "vllm_admit_group",
-            "vpriority": "vllm_stream_priority", "vengines": "vllm_engines"}
+            "vpriority": "vllm_stream_priority", "vengines": "vllm_engines", "mps": "cuda_mps"}
 VLLM_RUN_KEYS = ("process", "async", "vgraphs", "vmode", "vgroup", "vpriority", "vengines")  # the keys a --vllm-runs spec may set
 
 

@@ -320,12 +320,17 @@ def worker(gpus: Optional[str] = typer.Option(None, help="comma-separated GPU id
            queues: Optional[str] = typer.Option(None, help="queues to consume (default: render)")):
     """Start GPU workers: one pinned Celery process per GPU, engine warmed before the first task."""
     from voxbatch.worker.launcher import run_workers
+    from voxbatch.worker.mps import MpsError
 
     flags = {"engine": engine, "llm_backend": llm_backend, "model_dir": str(model_dir) if model_dir else None}
-    load_settings(**flags)  # validate here, before any process starts
+    settings = load_settings(**flags)  # validate here, before any process starts
     env = {f"VOXBATCH_{k.upper()}": v for k, v in flags.items() if v is not None}
     ids = [g.strip() for g in gpus.split(",") if g.strip()] if gpus else None
-    raise typer.Exit(run_workers(ids, concurrency, queues, env_overrides=env))
+    try:
+        code = run_workers(ids, concurrency, queues, env_overrides=env, mps=settings.cuda_mps)
+    except MpsError as e:
+        _fail(str(e), EXIT_BAD)
+    raise typer.Exit(code)
 
 
 @app.command("settings")

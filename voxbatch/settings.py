@@ -116,6 +116,12 @@ class Settings(BaseSettings):
     # 260.7x with 2 against 256.2x with 1, one pair (gpu_h100_s40c_vllm_worker_log.txt). Inside the
     # spread: 1 stays the default (bench run key `vengines`).
     vllm_engines: int = Field(1, ge=1, le=8)
+    # `voxbatch worker` starts a CUDA MPS control daemon of its own for its workers (voxbatch/worker/mps.py),
+    # so that a worker's flow/HiFT kernels and its vLLM engine core's (another process) run side by side
+    # instead of in the driver's time slices; the torch backend is one process and gains nothing. Needs
+    # nvidia-cuda-mps-control on PATH. Off by default until a worker A/B on a GPU says it pays (bench
+    # run key `mps`, e.g. `--worker-run backend=vllm,task=16 --worker-ab mps=true`).
+    cuda_mps: bool = False
     # Most segments the engine decodes at once (the torch backend's KV-cache rows, vLLM's max_num_seqs).
     # None: the engine picks (`llm_rows`, voxbatch/worker/cosyvoice2/engine.py): 256 with the LLM on
     # a GPU, the fastest measured (bench/results/gpu_h200_worker.json), halved until the torch

@@ -30,6 +30,7 @@ import sys
 import time
 
 from voxbatch.outage import backoff_s
+from voxbatch.worker.mps import MpsDaemon
 
 # A child that ran this long before dying is not crash-looping: its next restart waits the least.
 HEALTHY_S = 60.0
@@ -91,13 +92,23 @@ def _group_running(pgid: int) -> bool:
 
 
 def run_workers(gpus: list[str] | None, concurrency: int | None = None, queues: str | None = None,
-                restart: bool = True, env_overrides: dict[str, str] | None = None) -> int:
+                restart: bool = True, env_overrides: dict[str, str] | None = None, mps: bool = False) -> int:
     """Start one process per GPU (or one unpinned process when `gpus` is None) and supervise them.
 
-    `env_overrides` carries settings given as CLI flags (VOXBATCH_ENGINE=...) to the children.
+    `env_overrides` carries settings given as CLI flags (VOXBATCH_ENGINE=...) to the children; with
+    `mps`, a CUDA MPS daemon of the launcher's own serves them (voxbatch/worker/mps.py) until it exits.
     """
+    daemon = MpsDaemon().start() if mps else None
+    try:
+        return _supervise(gpus, concurrency, queues, restart, {**(env_overrides or {}), **(daemon.env if daemon else {})})
+    finally:
+        if daemon is not None:
+            daemon.stop()
+
+
+def _supervise(gpus: list[str] | None, concurrency: int | None, queues: str | None, restart: bool,
+               extra: dict[str, str]) -> int:
     slots: list[str | None] = list(gpus) if gpus else [None]
-    extra = dict(env_overrides or {})
     procs = {slot: _spawn(slot, concurrency, queues, extra) for slot in slots}
     started = {slot: time.monotonic() for slot in slots}
     stopping = False
