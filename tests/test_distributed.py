@@ -464,3 +464,48 @@ def test_worker_launcher_pins_one_process_per_gpu(cluster):
     os.kill(launcher.proc.pid, signal.SIGHUP)
     assert launcher.proc.wait(30) == 0
     assert not [pid for pid in children if _running(pid)]
+
+
+# Stands in for nvidia-cuda-mps-control (no MPS on a CPU machine): appends how it was called (its
+# arguments, the MPS folders and CUDA_VISIBLE_DEVICES in its environment, what it read on stdin) to RECORD.
+FAKE_MPS_CONTROL = """#!/bin/sh
+if [ "$1" = "-d" ]; then got=; else got=$(cat); fi
+echo "args=$* pipe=$CUDA_MPS_PIPE_DIRECTORY log=$CUDA_MPS_LOG_DIRECTORY visible=${CUDA_VISIBLE_DEVICES-unset} stdin=$got" >> RECORD
+"""
+
+
+def test_worker_launcher_serves_its_workers_from_an_mps_daemon_of_its_own(cluster, tmp_path):
+    record = tmp_path / "mps_calls.txt"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    control = bin_dir / "nvidia-cuda-mps-control"
+    control.write_text(FAKE_MPS_CONTROL.replace("RECORD", str(record)))
+    control.chmod(0o755)
+    env = {"VOXBATCH_CUDA_MPS": "true", "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "CUDA_VISIBLE_DEVICES": "0,1"}
+    launcher = cluster.start("worker", "--gpus", "0,1", extra_env=env)
+    services.wait_until(lambda: launcher.tail(20000).count(" ready.") >= 2, 120, "both GPU workers")
+    started = record.read_text().splitlines()
+    assert len(started) == 1 and started[0].startswith("args=-d ")
+    fields = dict(f.split("=", 1) for f in started[0].split(" ") if "=" in f)
+    assert fields["visible"] == "unset"  # the daemon sees every GPU; each worker's pinning picks its own
+    pipe = Path(fields["pipe"])
+    assert pipe.is_dir() and Path(fields["log"]).is_dir() and pipe.parent == Path(fields["log"]).parent
+    log = launcher.tail(20000)  # each worker (and so its vLLM core) is the daemon's client, pinned to its GPU
+    for gpu in ("0", "1"):
+        assert f"worker for GPU {gpu}: CUDA_VISIBLE_DEVICES={gpu}, CUDA MPS pipe {pipe}" in log
+    launcher.proc.send_signal(signal.SIGTERM)
+    assert launcher.proc.wait(30) == 0
+    calls = record.read_text().splitlines()
+    assert len(calls) == 2 and calls[1].startswith("args= ") and calls[1].endswith("stdin=quit")
+    assert not pipe.parent.exists()  # its folders go with it
+
+
+def test_worker_with_mps_on_and_no_mps_daemon_binary_is_refused_in_one_line(cluster, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    proc = subprocess.run([sys.executable, "-m", "voxbatch.cli", "worker", "--gpus", "0"], cwd=services.REPO,
+                          env={**cluster.env, "VOXBATCH_CUDA_MPS": "true", "PATH": str(empty)},
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "nvidia-cuda-mps-control is not on PATH" in proc.stderr
+    assert "Traceback" not in proc.stderr

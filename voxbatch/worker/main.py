@@ -85,7 +85,8 @@ def serve(gpu: str | None, concurrency: int | None, queues: str | None, hostname
         from voxbatch.worker import gpu_trace
 
         gpu_trace.watch(settings.gpu_trace_dir)
-    log.info("worker for GPU %s: CUDA_VISIBLE_DEVICES=%s", gpu, os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>"))
+    log.info("worker for GPU %s: CUDA_VISIBLE_DEVICES=%s%s", gpu, os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>"),
+             f", CUDA MPS pipe {os.environ['CUDA_MPS_PIPE_DIRECTORY']}" if os.environ.get("CUDA_MPS_PIPE_DIRECTORY") else "")
     configure_celery(settings)
     engine = build_engine(settings)
     engine.warmup()
