@@ -50,7 +50,7 @@ class MpsDaemon:
             Path(d).mkdir(parents=True, exist_ok=True)
         try:
             # -d forks the daemon into the background and returns; its server starts at the first client.
-            done = subprocess.run([self.binary, "-d"], env=self._env(), capture_output=True, text=True, timeout=30)
+            done = subprocess.run([self.binary, "-d"], env=self.control_env(), capture_output=True, text=True, timeout=30)
         except (OSError, subprocess.TimeoutExpired) as e:
             raise MpsError(f"{CONTROL} -d did not start: {type(e).__name__}: {e}") from None
         if done.returncode != 0:
@@ -64,14 +64,14 @@ class MpsDaemon:
         if self.running:
             self.running = False
             try:
-                subprocess.run([self.binary], input="quit\n", env=self._env(), capture_output=True, text=True,
+                subprocess.run([self.binary], input="quit\n", env=self.control_env(), capture_output=True, text=True,
                                timeout=QUIT_TIMEOUT_S)
             except (OSError, subprocess.TimeoutExpired):
                 pass  # a daemon that does not answer is gone with the host's next reboot; the folders stay
             else:
                 shutil.rmtree(self.root, ignore_errors=True)
 
-    def _env(self) -> dict[str, str]:
+    def control_env(self) -> dict[str, str]:
         """The daemon sees every GPU (the workers' CUDA_VISIBLE_DEVICES pick theirs among them)."""
         env = {**os.environ, **self.env}
         env.pop("CUDA_VISIBLE_DEVICES", None)
