@@ -81,6 +81,7 @@ SWITCHES = {
     "sfwav": ("voxbatch.audio", "WAV_BY_LIBSNDFILE", _flag),
     "book_stream": ("voxbatch.producer.assemble", "BOOK_WHILE_ASSEMBLING", _flag),
     "render_warm": ("voxbatch.embedded", "WARM_GRAPHS_AT_START", _flag),
+    "glock": ("voxbatch.worker.cosyvoice2.cuda_graphs", "SERIALIZED", _flag),
 }
 
 
