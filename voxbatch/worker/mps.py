@@ -52,8 +52,10 @@ class MpsDaemon:
             # -d forks the daemon into the background and returns; its server starts at the first client.
             done = subprocess.run([self.binary, "-d"], env=self.control_env(), capture_output=True, text=True, timeout=30)
         except (OSError, subprocess.TimeoutExpired) as e:
+            shutil.rmtree(self.root, ignore_errors=True)
             raise MpsError(f"{CONTROL} -d did not start: {type(e).__name__}: {e}") from None
         if done.returncode != 0:
+            shutil.rmtree(self.root, ignore_errors=True)
             last = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
             raise MpsError(f"{CONTROL} -d exited {done.returncode}: {last[0]}")
         self.running = True
