@@ -407,6 +407,7 @@ RUN_KEYS = {"rows": "engine_max_batch", "flow": "engine_flow_batch", "task": "ba
             "backend": "llm_backend", "process": "vllm_engine_process", "async": "vllm_async_scheduling",
             "vgraphs": "vllm_cudagraph_max_tokens", "vmode": "vllm_cudagraph_mode", "vgroup": "vllm_admit_group",
             "vpriority": "vllm_stream_priority", "vengines": "vllm_engines", "mps": "cuda_mps"}
+LAUNCHER_KEYS = ("mps",)  # read by `voxbatch worker`'s launcher, not by the engine: the worker stage only
 VLLM_RUN_KEYS = ("process", "async", "vgraphs", "vmode", "vgroup", "vpriority", "vengines")  # the keys a --vllm-runs spec may set
 
 
@@ -1612,6 +1613,10 @@ def main() -> None:
     try:  # every spec checked before any stage runs; a bad one is a usage error (exit 2)
         for spec in args.engine_runs + args.worker_ab:
             parse_run(spec, switches=True)
+        for spec in args.engine_runs + [args.invariance_run]:
+            if set(parse_run(spec, switches=True)) & set(LAUNCHER_KEYS):
+                raise SystemExit(f"{spec!r}: {', '.join(LAUNCHER_KEYS)} act on `voxbatch worker`'s launcher, which "
+                                 "only the worker stage runs (--worker-run / --worker-ab)")
         for spec in args.parts_ab:
             check_parts_spec(spec)
         for spec in (args.worker_run, args.invariance_run):

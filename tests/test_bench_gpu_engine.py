@@ -37,6 +37,11 @@ def test_unknown_stage_is_an_error(tmp_path):
     assert out.returncode == 2 and "unknown stage(s) e2e" in out.stderr
 
 
+def test_a_launcher_setting_in_an_engine_run_is_an_error_not_a_run_that_ignores_it(tmp_path):
+    out = bench(tmp_path, "--tiny", "--device", "cpu", "--stages", "engine", "--engine-runs", "rows=4,mps=true", timeout=120)
+    assert out.returncode == 2 and "'rows=4,mps=true': mps act on `voxbatch worker`'s launcher" in out.stderr
+
+
 def test_every_stage_runs_on_cpu_and_the_result_has_a_headline(tmp_path, tiny_model_dir):
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server not on PATH")
