@@ -92,8 +92,9 @@ def main() -> int:
             t = time.perf_counter()
             proc = subprocess.run([sys.executable, "-m", "bench.graph_race", "--child", variant, "--rounds", str(args.rounds)],
                                   cwd=REPO, capture_output=True, text=True, timeout=600)
+            out = proc.stdout + proc.stderr
             runs[variant].append({"rc": proc.returncode, "wall_s": round(time.perf_counter() - t, 2),
-                                  "tail": (proc.stdout + proc.stderr)[-600:]})
+                                  "tail": out[-600:], "error": _first_error(out) if proc.returncode else None})
     result = {"commit": commit(), "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
               "rounds": args.rounds, "runs": runs,
               "failed": {v: sum(r["rc"] != 0 for r in rs) for v, rs in runs.items()}}
@@ -103,6 +104,16 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=1))
     return 0 if result["failed"]["locked"] == 0 else 1
+
+
+def _first_error(output: str) -> str:
+    """The lines that say what went wrong in a failed child (an abort's C++ stack runs on below them and
+    the tail keeps only that: gpu_h100_s41b_graph_race.json)."""
+    lines = output.splitlines()
+    for i, line in enumerate(lines):
+        if "error" in line.lower() or "terminate called" in line or "Exception" in line:
+            return "\n".join(lines[i:i + 4])[:800]
+    return "\n".join(lines[:4])[:800]
 
 
 if __name__ == "__main__":
