@@ -5,14 +5,15 @@ gives each process's context the whole GPU in turn (time slices). A worker on vL
 on one GPU: its engine core (the LLM's decode steps, a few ms of small kernels each) and the worker
 (flow and HiFT, big kernels). Time-sliced, the decode step cannot take the SMs that flow's kernels
 leave free, as it does in the torch worker (one process, the LLM on a higher-priority stream), and
-each switch between the two contexts costs the GPU time of its own. Under MPS both processes'
-kernels go through one server context and run side by side.
+every switch between the two contexts costs GPU time. Under MPS both processes' kernels go through
+one server context and run side by side.
 
 The daemon is private to one launcher (its pipe and log folders are fresh temporary folders, given
 to each worker through CUDA_MPS_PIPE_DIRECTORY / CUDA_MPS_LOG_DIRECTORY, which the vLLM core and
 any other child inherit), so it neither joins nor disturbs a host-wide MPS setup. One daemon serves
 every GPU of the launcher; each worker keeps its CUDA_VISIBLE_DEVICES pinning, which MPS reads
-relative to the devices the daemon sees (all of them: it starts without CUDA_VISIBLE_DEVICES). It is asked to quit when the launcher exits.
+relative to the devices the daemon sees (all of them: it starts without CUDA_VISIBLE_DEVICES). It is
+asked to quit when the launcher exits.
 Containers that run `python -m voxbatch.worker.main` directly get MPS from their orchestrator
 (e.g. the NVIDIA device plugin's MPS sharing) instead: docs/scaling.md.
 """
@@ -69,7 +70,7 @@ class MpsDaemon:
                 subprocess.run([self.binary], input="quit\n", env=self.control_env(), capture_output=True, text=True,
                                timeout=QUIT_TIMEOUT_S)
             except (OSError, subprocess.TimeoutExpired):
-                pass  # a daemon that does not answer is gone with the host's next reboot; the folders stay
+                pass  # a daemon that does not answer keeps its folders (it may still be using them)
             else:
                 shutil.rmtree(self.root, ignore_errors=True)
 

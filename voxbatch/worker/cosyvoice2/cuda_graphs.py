@@ -32,9 +32,9 @@ from contextlib import contextmanager
 
 import torch
 
-# False: `registry` neither locks nor anchors (torch's own behaviour); for the bench's A/B of what the
-# lock costs a worker that does not need it (the torch backend's decode graphs already keep the set
-# from emptying). Bench switch `glock`.
+# False: `registry` neither locks nor anchors (torch's own behaviour, not safe with two capturing
+# threads: bench/results/gpu_h100_s41b_graph_race.json); only for the bench's A/B of what the lock
+# costs a worker. Bench switch `glock`.
 SERIALIZED = True
 _lock = threading.RLock()
 _anchors: dict[str, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # device -> a graph kept for the process's life
