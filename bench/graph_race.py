@@ -87,7 +87,7 @@ def main() -> int:
     if args.child:
         return child(args.child, args.rounds)
     runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
-    for i in range(args.runs):
+    for _ in range(args.runs):
         for variant in VARIANTS:  # interleaved, so a machine's drift touches both
             t = time.perf_counter()
             proc = subprocess.run([sys.executable, "-m", "bench.graph_race", "--child", variant, "--rounds", str(args.rounds)],

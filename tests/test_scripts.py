@@ -178,3 +178,14 @@ def test_edited_book_renders_only_the_changed_segments(tmp_path):
     assert render(book, out, reuse=False).reused == 0
     other = render(book, out, voice="tone:other")
     assert other.reused == 0 and {s.voice for s in other.segments} == {"tone:other"}
+
+
+def test_render_ends_in_one_line_and_exit_1_when_its_engine_is_lost():
+    """What `voxbatch render` does when the pipeline reports a lost engine (a CUDA kernel fault mid-job):
+    one line on stderr saying what failed and that the stored segments stay, exit 1, no traceback."""
+    code = "from voxbatch.embedded import _engine_lost; _engine_lost('AcceleratorError: CUDA error: an illegal memory access')"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 1
+    assert proc.stderr.count("\n") == 1 and "illegal memory access" in proc.stderr and "stored so far are kept" in proc.stderr
+    assert "Traceback" not in proc.stderr

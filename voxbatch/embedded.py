@@ -26,7 +26,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import sys
 import threading
 import time
@@ -43,7 +42,7 @@ from voxbatch.settings import AudioFormat, Settings
 from voxbatch.storage import LocalStorage, Storage
 from voxbatch.worker.engine import Engine, SynthesisRequest, build_engine
 from voxbatch.worker.budget import SegmentBudget, inflight_segments, task_threads
-from voxbatch.worker.pipeline import Pipeline, TaskAbandoned
+from voxbatch.worker.pipeline import Pipeline, TaskAbandoned, end_process
 
 log = logging.getLogger(__name__)
 
@@ -352,8 +351,7 @@ def _engine_lost(error: str) -> None:
     stay; the same command renders only the rest."""
     print(f"voxbatch render: the engine failed for good ({error}); the segments stored so far are kept, run "
           "the same command again to render the rest", file=sys.stderr, flush=True)
-    logging.shutdown()
-    os._exit(1)
+    end_process(1)
 
 
 def _run(spec: JobSpec, storage: Storage, engine: Engine, settings: Settings,

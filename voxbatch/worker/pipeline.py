@@ -65,19 +65,23 @@ ENGINE_LOST_EXIT = 75
 # How long a process whose engine is lost keeps storing what was rendered before it ends.
 ENGINE_LOST_FLUSH_S = 60.0
 
-__all__ = ["Pipeline", "TaskHandle", "TaskAbandoned", "THREAD_DIED_EXIT", "ENGINE_LOST_EXIT"]
+__all__ = ["Pipeline", "TaskHandle", "TaskAbandoned", "THREAD_DIED_EXIT", "ENGINE_LOST_EXIT", "end_process"]
+
+
+def end_process(code: int) -> None:
+    """Flush the logs and end the process at once with `code` (no thread is waited for)."""
+    logging.shutdown()
+    os._exit(code)
 
 
 def _exit_process(thread_name: str) -> None:
-    """Default reaction to a dead pipeline thread: flush the logs and end the process at once."""
-    logging.shutdown()
-    os._exit(THREAD_DIED_EXIT)
+    """Default reaction to a dead pipeline thread."""
+    end_process(THREAD_DIED_EXIT)
 
 
 def _exit_engine_lost(error: str) -> None:
-    """Default reaction to a lost engine: flush the logs and end the process at once."""
-    logging.shutdown()
-    os._exit(ENGINE_LOST_EXIT)
+    """Default reaction to a lost engine."""
+    end_process(ENGINE_LOST_EXIT)
 
 
 class TaskHandle:

@@ -64,17 +64,9 @@ def _anchor(device: torch.device) -> None:
     if key in _anchors:
         return
     buf = torch.zeros(1, device=device)
-    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream(device)
-    current = torch.cuda.current_stream(device)
-    side.wait_stream(current)
-    with torch.cuda.stream(side):
-        buf.add_(1)  # the kernel's first launch outside the capture
-        graph.capture_begin(capture_error_mode="thread_local")
-        try:
-            buf.add_(1)
-        finally:
-            graph.capture_end()
-    current.wait_stream(side)
+    buf.add_(1)  # the kernel's first launch outside the capture
+    graph = torch.cuda.CUDAGraph()
+    _record(graph, torch.cuda.Stream(device), None, lambda: buf.add_(1))
     _anchors[key] = (graph, buf)
 
 
@@ -82,12 +74,17 @@ def capture(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream, pool, fn: Ca
     """Record `fn()` into `graph` on `stream` (not the legacy default stream), into `pool`, holding the
     graph lock (`registry`). Raises what the capture raises; the current stream then does not wait for `stream`."""
     with registry(stream.device):
-        current = torch.cuda.current_stream(stream.device)
-        stream.wait_stream(current)  # fn's inputs are written on `current`
-        with torch.cuda.stream(stream):
-            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
-            try:
-                fn()
-            finally:
-                graph.capture_end()
-        current.wait_stream(stream)
+        _record(graph, stream, pool, fn)
+
+
+def _record(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream, pool, fn: Callable[[], object]) -> None:
+    """`capture`'s recording, without the lock (the anchor is recorded under it already)."""
+    current = torch.cuda.current_stream(stream.device)
+    stream.wait_stream(current)  # fn's inputs are written on `current`
+    with torch.cuda.stream(stream):
+        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        try:
+            fn()
+        finally:
+            graph.capture_end()
+    current.wait_stream(stream)
