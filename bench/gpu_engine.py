@@ -45,7 +45,7 @@ import time
 import traceback
 from collections import defaultdict
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -408,7 +408,7 @@ RUN_KEYS = {"rows": "engine_max_batch", "flow": "engine_flow_batch", "task": "ba
             "vgraphs": "vllm_cudagraph_max_tokens", "vmode": "vllm_cudagraph_mode", "vgroup": "vllm_admit_group",
             "vpriority": "vllm_stream_priority", "vengines": "vllm_engines", "mps": "cuda_mps"}
 LAUNCHER_KEYS = ("mps",)  # read by `voxbatch worker`'s launcher, not by the engine: the worker stage only
-VLLM_RUN_KEYS = ("process", "async", "vgraphs", "vmode", "vgroup", "vpriority", "vengines")  # the keys a --vllm-runs spec may set
+VLLM_RUN_KEYS = ("process", "async", "vgraphs", "vmode", "vgroup", "vpriority", "vengines", "mps")  # the keys a --vllm-runs spec may set
 
 
 def parse_run(spec: str, switches: bool = False) -> dict[str, str]:
@@ -450,9 +450,41 @@ def vllm_run(spec: str) -> dict:
     if unknown := set(run) - set(VLLM_RUN_KEYS):
         raise SystemExit(f"bad --vllm-runs spec {spec!r}: keys {', '.join(sorted(unknown))} are not vLLM options ({', '.join(VLLM_RUN_KEYS)})")
     s = Settings(**{RUN_KEYS[k]: v for k, v in run.items()})
+    if s.cuda_mps and not s.vllm_engine_process:
+        raise SystemExit(f"bad --vllm-runs spec {spec!r}: mps serves engine cores in processes of their own (process=1)")
     return {"engine_process": s.vllm_engine_process, "async_scheduling": s.vllm_async_scheduling,
             "cudagraph_max_tokens": s.vllm_cudagraph_max_tokens, "cudagraph_mode": s.vllm_cudagraph_mode,
             "admit_group": s.vllm_admit_group, "stream_priority": s.vllm_stream_priority, "engines": s.vllm_engines}
+
+
+def vllm_run_mps(spec: str) -> bool:
+    """Whether a --vllm-runs spec's engine cores run as clients of a CUDA MPS daemon (`mps=true`)."""
+    return spec != "shipped" and Settings(**{RUN_KEYS[k]: v for k, v in parse_run(spec).items() if k == "mps"}).cuda_mps
+
+
+@contextmanager
+def mps_clients(on: bool):
+    """Within: the processes this one spawns (vLLM's engine cores) are clients of a fresh CUDA MPS daemon,
+    as a launcher's workers and their cores are (voxbatch/worker/mps.py); they inherit its folders from
+    this process's environment. This process's own CUDA context stays outside MPS; it runs no kernels
+    while the cores decode. The daemon quits on the way out, after the cores are closed."""
+    if not on:
+        yield
+        return
+    from voxbatch.worker.mps import MpsDaemon
+
+    daemon = MpsDaemon().start()
+    saved = {k: os.environ.get(k) for k in daemon.env}
+    os.environ.update(daemon.env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        daemon.stop()
 
 
 def engine_order(specs: list[str], repeats: int) -> list[str]:
@@ -766,33 +798,34 @@ class Bench:
         for spec in self.args.vllm_runs:
             run = vllm_run(spec)
             label = "" if spec == "shipped" else f" [{spec}]"
-            t = time.perf_counter()
-            backend = VllmLlmBackend(self.model_dir, VllmOptions(gpu_memory_utilization=self.args.vllm_mem, max_model_len=self.max_seq,
-                                                                 max_num_seqs=B, export_cache_dir=str(self.tmp / "vllm-export"), **run))
-            startup = time.perf_counter() - t
-            by_vllm = {}
-            try:
-                list(backend.generate(self._fixed_requests(4, 8)))
-                for b in self.args.llm_batches:
-                    r = self._measure(backend, self._fixed_requests(b, self.args.llm_tokens), util)
-                    r.update(impl=f"vllm{label}", batch=b)
-                    rows.append(r)
-                    print(f"  llm vllm{label} B={b:4d} {r['tokens_per_s']:10.1f} tok/s", flush=True)
-                for order, reqs in orders.items():
-                    by_vllm[order] = self._measure(backend, reqs, util)
-                    by_vllm[order].update(impl=f"vllm, continuous, corpus, {order}{label}", batch=B)
-                    rows.append(by_vllm[order])
-                    print(f"  llm vllm{label} corpus B={B:4d} {order}: {by_vllm[order]['tokens_per_s']:10.1f} tok/s", flush=True)
-            finally:
-                backend.close()
-                del backend
-                gc.collect()
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
+            with mps_clients(vllm_run_mps(spec)):
+                t = time.perf_counter()
+                backend = VllmLlmBackend(self.model_dir, VllmOptions(gpu_memory_utilization=self.args.vllm_mem, max_model_len=self.max_seq,
+                                                                     max_num_seqs=B, export_cache_dir=str(self.tmp / "vllm-export"), **run))
+                startup = time.perf_counter() - t
+                by_vllm = {}
+                try:
+                    list(backend.generate(self._fixed_requests(4, 8)))
+                    for b in self.args.llm_batches:
+                        r = self._measure(backend, self._fixed_requests(b, self.args.llm_tokens), util)
+                        r.update(impl=f"vllm{label}", batch=b)
+                        rows.append(r)
+                        print(f"  llm vllm{label} B={b:4d} {r['tokens_per_s']:10.1f} tok/s", flush=True)
+                    for order, reqs in orders.items():
+                        by_vllm[order] = self._measure(backend, reqs, util)
+                        by_vllm[order].update(impl=f"vllm, continuous, corpus, {order}{label}", batch=B)
+                        rows.append(by_vllm[order])
+                        print(f"  llm vllm{label} corpus B={B:4d} {order}: {by_vllm[order]['tokens_per_s']:10.1f} tok/s", flush=True)
+                finally:
+                    backend.close()  # the cores go before the MPS daemon they are clients of
+                    del backend
+                    gc.collect()
+                    if torch.cuda.is_available():
+                        torch.cuda.empty_cache()
             ratios = {order: round(by_vllm[order]["tokens_per_s"] / by_torch[order]["tokens_per_s"], 3) for order in orders}
             for order, ratio in ratios.items():
                 print(f"  llm{label} corpus B={B} {order}: vllm / torch = {ratio}", flush=True)
-            runs[spec] = {"options": run, "startup_s": round(startup, 1), "vllm_over_torch_by_order": ratios,
+            runs[spec] = {"options": run, "mps": vllm_run_mps(spec), "startup_s": round(startup, 1), "vllm_over_torch_by_order": ratios,
                           "corpus_tokens_per_s": {o: v["tokens_per_s"] for o, v in by_vllm.items()}}
         rows += list(by_torch.values())
         intake = "longest text first"

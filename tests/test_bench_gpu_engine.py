@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import fake_mps
+
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ["--tiny", "--device", "cpu", "--segments", "4", "--max-s", "3", "--llm-batches", "1", "2", "--llm-tokens", "4",
          "--baseline-segments", "1",
@@ -98,27 +100,64 @@ def test_parts_ab_of_a_switch_the_parts_stage_does_not_vary_is_an_error(tmp_path
 
 def test_vllm_run_specs_read_every_vllm_option_through_settings():
     """A --vllm-runs spec reaches VllmOptions through Settings (types and bounds as a worker reads them):
-    every key it may set lands in an option, and a key outside them or a value out of bounds is refused."""
+    every key it may set lands in an option (mps: in the MPS flag), and a key outside them or a value
+    out of bounds is refused."""
     script = (
-        "import json; from bench.gpu_engine import VLLM_RUN_KEYS, vllm_run\n"
-        "print(json.dumps([len(VLLM_RUN_KEYS), vllm_run('process=1,async=1,vgraphs=1024,vmode=PIECEWISE,vgroup=16,vpriority=-1,vengines=2'),"
-        " vllm_run('shipped')]))\n"
-        "for bad in ('rows=8', 'vpriority=3', 'process=0,vengines=2'):\n"
+        "import json; from bench.gpu_engine import VLLM_RUN_KEYS, vllm_run, vllm_run_mps\n"
+        "spec = 'process=1,async=1,vgraphs=1024,vmode=PIECEWISE,vgroup=16,vpriority=-1,vengines=2,mps=true'\n"
+        "print(json.dumps([len(VLLM_RUN_KEYS), vllm_run(spec), vllm_run('shipped'),"
+        " [vllm_run_mps(s) for s in (spec, 'shipped', 'vengines=2', 'mps=false')]]))\n"
+        "for bad in ('rows=8', 'vpriority=3', 'process=0,vengines=2', 'process=0,mps=true', 'mps=maybe'):\n"
         "    try:\n        vllm_run(bad)\n    except (SystemExit, ValueError) as e:\n        print(bad, '->', str(e).splitlines()[0:3])\n"
     )
     out = subprocess.run([sys.executable, "-c", script], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     first, *refused = out.stdout.splitlines()
-    n_keys, opts, shipped = json.loads(first)
+    n_keys, opts, shipped, mps = json.loads(first)
     assert opts == {"engine_process": True, "async_scheduling": True, "cudagraph_max_tokens": 1024,
                     "cudagraph_mode": "PIECEWISE", "admit_group": 16, "stream_priority": -1, "engines": 2}
-    assert n_keys == len(opts) and shipped.pop("engines") == 1 and set(shipped.values()) == {None}
+    # every key but mps is an engine option; mps says whether the cores are clients of an MPS daemon
+    assert n_keys == len(opts) + 1 and shipped.pop("engines") == 1 and set(shipped.values()) == {None}
+    assert mps == [True, False, False, False]
     assert refused[0].startswith("rows=8 ->") and "not vLLM options" in refused[0]
     # CUDA priorities run from 0 (the default) to -5 (most urgent): 3 is out of the setting's bounds
     assert refused[1].startswith("vpriority=3 ->") and "vllm_stream_priority" in refused[1]
     # several engines with their cores in the worker's process cannot run
     assert refused[2].startswith("process=0,vengines=2 ->") and "own process" in refused[2]
+    # an MPS daemon serves other processes: a core in the bench's own process would not be its client
+    assert refused[3].startswith("process=0,mps=true ->") and "process=1" in refused[3]
+    assert refused[4].startswith("mps=maybe ->") and "cuda_mps" in refused[4]
+
+
+def test_an_mps_vllm_run_spawns_its_cores_as_clients_of_a_daemon_it_stops_after(tmp_path):
+    """`--vllm-runs mps=true,...`: what the bench spawns inside `mps_clients` (vLLM's cores) inherits a
+    fresh daemon's folders; on the way out, even by an error, the environment is as before and the
+    daemon is asked to quit and its folders go."""
+    bin_dir, record = fake_mps.install(tmp_path)
+    script = (
+        "import json, os, subprocess, sys; from bench.gpu_engine import mps_clients\n"
+        "before = os.environ.get('CUDA_MPS_PIPE_DIRECTORY')\n"
+        "try:\n"
+        "    with mps_clients(True):\n"
+        "        child = subprocess.run([sys.executable, '-c', 'import os; print(os.environ[\"CUDA_MPS_PIPE_DIRECTORY\"])'],\n"
+        "                               capture_output=True, text=True).stdout.strip()\n"
+        "        raise RuntimeError('a core failed')\n"
+        "except RuntimeError:\n"
+        "    pass\n"
+        "with mps_clients(False):\n"
+        "    off = os.environ.get('CUDA_MPS_PIPE_DIRECTORY')\n"
+        "print(json.dumps([before, child, os.environ.get('CUDA_MPS_PIPE_DIRECTORY'), off]))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    env.pop("CUDA_MPS_PIPE_DIRECTORY", None)
+    out = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    before, child, after, off = json.loads(out.stdout.splitlines()[-1])
+    calls = record.read_text().splitlines()
+    assert len(calls) == 2 and calls[0].startswith(f"args=-d pipe={child} ") and calls[1].endswith("stdin=quit")
+    assert before is None and after is None and off is None and child.endswith("pipe")
+    assert not Path(child).parent.exists()  # the daemon's folders went with it
 
 
 def test_repeated_engine_configuration_is_an_error(tmp_path):

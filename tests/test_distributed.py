@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests import corpora
+from tests import corpora, fake_mps
 from voxbatch import testing_services as services
 from voxbatch import keys
 from voxbatch.audio import decode
@@ -466,21 +466,8 @@ def test_worker_launcher_pins_one_process_per_gpu(cluster):
     assert not [pid for pid in children if _running(pid)]
 
 
-# Stands in for nvidia-cuda-mps-control (no MPS on a CPU machine): appends how it was called (its
-# arguments, the MPS folders and CUDA_VISIBLE_DEVICES in its environment, what it read on stdin) to RECORD.
-FAKE_MPS_CONTROL = """#!/bin/sh
-if [ "$1" = "-d" ]; then got=; else got=$(cat); fi
-echo "args=$* pipe=$CUDA_MPS_PIPE_DIRECTORY log=$CUDA_MPS_LOG_DIRECTORY visible=${CUDA_VISIBLE_DEVICES-unset} stdin=$got" >> RECORD
-"""
-
-
 def test_worker_launcher_serves_its_workers_from_an_mps_daemon_of_its_own(cluster, tmp_path):
-    record = tmp_path / "mps_calls.txt"
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    control = bin_dir / "nvidia-cuda-mps-control"
-    control.write_text(FAKE_MPS_CONTROL.replace("RECORD", str(record)))
-    control.chmod(0o755)
+    bin_dir, record = fake_mps.install(tmp_path)
     env = {"VOXBATCH_CUDA_MPS": "true", "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "CUDA_VISIBLE_DEVICES": "0,1"}
     launcher = cluster.start("worker", "--gpus", "0,1", extra_env=env)
     services.wait_until(lambda: launcher.tail(20000).count(" ready.") >= 2, 120, "both GPU workers")
