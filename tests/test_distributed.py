@@ -466,6 +466,21 @@ def test_worker_launcher_pins_one_process_per_gpu(cluster):
     assert not [pid for pid in children if _running(pid)]
 
 
+def test_workers_stop_when_their_launcher_is_killed(cluster):
+    """A launcher killed outright (SIGKILL: an OOM kill, a supervisor's timeout) cannot pass anything on,
+    and its workers lead sessions of their own: each is told by the kernel and shuts down as on SIGTERM
+    instead of rendering on, holding its GPU, beside the next launcher's workers."""
+    launcher = cluster.start("worker", "--gpus", "0,1")
+    services.wait_until(lambda: launcher.tail(20000).count(" ready.") >= 2, 120, "both GPU workers")
+    children = [int(pid) for pid in subprocess.run(["pgrep", "-P", str(launcher.proc.pid)], capture_output=True,
+                                                   text=True).stdout.split()]
+    assert len(children) == 2
+    launcher.proc.kill()  # the launcher only, not its workers' process groups
+    launcher.proc.wait(10)
+    services.wait_until(lambda: not [pid for pid in children if _running(pid)], 60, "the workers to exit")
+    assert launcher.tail(20000).count("Warm shutdown") == 2  # each stopped as on SIGTERM, not killed
+
+
 def test_worker_launcher_serves_its_workers_from_an_mps_daemon_of_its_own(cluster, tmp_path):
     bin_dir, record = fake_mps.install(tmp_path)
     env = {"VOXBATCH_CUDA_MPS": "true", "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "CUDA_VISIBLE_DEVICES": "0,1"}

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import uuid
@@ -209,9 +210,18 @@ def test_render_with_a_broken_model_dir_names_the_file(damage, voice, tiny_model
 
 
 @pytest.mark.vllm
-def test_render_with_the_vllm_backend(tiny_model, prompt_wav, corpus, tmp_path):
+@pytest.mark.parametrize("own_process", [False, True])
+def test_render_with_the_vllm_backend(own_process, tiny_model, prompt_wav, corpus, tmp_path, monkeypatch):
+    """In the render's process (a CPU's default) and in a process of its own (a GPU's): the command
+    closes the core it started and exits (an unclosed core's process kept Python's exit waiting)."""
     vllm_or_skip()
+    monkeypatch.setenv("VOXBATCH_VLLM_ENGINE_PROCESS", str(own_process).lower())
     render_and_check(tiny_model, prompt_wav, corpus, tmp_path / "out", "--llm-backend", "vllm")
+
+
+# How long a stopped worker may take to exit: its shutdown window has nothing left to wait for, closing
+# the engine (a vLLM core's shutdown) takes seconds; a hung exit never ends.
+STOP_WAIT_S = 60
 
 
 @pytest.mark.integration
@@ -224,6 +234,8 @@ def test_distributed_render_with_cosyvoice2_workers(llm_backend, tiny_model, pro
     tag = uuid.uuid4().hex[:8]
     env = {
         **os.environ, **s3_env,
+        # vLLM's engine core in a process of its own, as on a GPU (on a CPU it defaults to the worker's)
+        "VOXBATCH_VLLM_ENGINE_PROCESS": "true",
         "VOXBATCH_RENDER_QUEUE": f"render-{tag}", "VOXBATCH_ASSEMBLE_QUEUE": f"assemble-{tag}",
         "VOXBATCH_BATCH_SIZE": "2", "VOXBATCH_MODEL_DIR": str(tiny_model),
         "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
@@ -242,6 +254,12 @@ def test_distributed_render_with_cosyvoice2_workers(llm_backend, tiny_model, pro
         assert c.wait_finished(job_id, timeout_s=300).state == "completed"
         check_segments(c.manifest(job_id), tiny_model, corpus, c.storage.get)
         assert c.spec(job_id).params.max_tokens == MAX_TOKENS
+        # Told to stop, the worker exits by itself, its engine core (vLLM: a process of its own) closed
+        # first: Python's exit waited forever on a core nobody stopped, and the launcher with it.
+        launcher = c.procs[0]
+        os.killpg(launcher.proc.pid, signal.SIGTERM)
+        assert launcher.proc.wait(STOP_WAIT_S) == 0
+        assert "still running" not in launcher.tail(20000)
     finally:
         for p in c.procs:
             p.stop()

@@ -319,7 +319,9 @@ def worker(gpus: Optional[str] = typer.Option(None, help="comma-separated GPU id
            concurrency: Optional[int] = typer.Option(None, help="render tasks at once per process"),
            queues: Optional[str] = typer.Option(None, help="queues to consume (default: render)")):
     """Start GPU workers: one pinned Celery process per GPU, engine warmed before the first task."""
-    from voxbatch.worker.launcher import run_workers
+    from voxbatch.celery_app import shutdown_window_s
+    from voxbatch.worker.launcher import EXIT_MARGIN_S, run_workers
+    from voxbatch.worker.main import STOP_GRACE_S
     from voxbatch.worker.mps import MpsError
 
     flags = {"engine": engine, "llm_backend": llm_backend, "model_dir": str(model_dir) if model_dir else None}
@@ -327,7 +329,8 @@ def worker(gpus: Optional[str] = typer.Option(None, help="comma-separated GPU id
     env = {f"VOXBATCH_{k.upper()}": v for k, v in flags.items() if v is not None}
     ids = [g.strip() for g in gpus.split(",") if g.strip()] if gpus else None
     try:
-        code = run_workers(ids, concurrency, queues, env_overrides=env, mps=settings.cuda_mps)
+        code = run_workers(ids, concurrency, queues, env_overrides=env, mps=settings.cuda_mps,
+                           stop_wait_s=shutdown_window_s(settings) + STOP_GRACE_S + EXIT_MARGIN_S)
     except MpsError as e:
         _fail(str(e), EXIT_BAD)
     raise typer.Exit(code)

@@ -127,11 +127,14 @@ class _EngineStart:
     def __init__(self, settings: Settings, voice: str, params: SynthesisParams):
         self._engine: Engine | None = None
         self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._abandoned = False
         self._thread = threading.Thread(target=self._start, args=(settings, voice, params), name="engine-start",
                                         daemon=True)  # a corpus refused meanwhile ends the process without it
         self._thread.start()
 
     def _start(self, settings: Settings, voice: str, params: SynthesisParams) -> None:
+        engine = None
         try:
             engine = build_engine(settings)
             # The model digest (sha256 of ~2.5 GB, for the reuse cache's keys) while the probe renders.
@@ -141,9 +144,23 @@ class _EngineStart:
             if WARM_GRAPHS_AT_START:
                 warm_graphs(engine)
             digest.join()
-            self._engine = engine
+            with self._lock:
+                self._engine = engine
+                if self._abandoned:
+                    engine.close()
         except BaseException as e:  # noqa: BLE001 - handed to the main thread by result()
             self._error = e
+            if engine is not None:  # built, then refused the voice: nothing will render on it
+                engine.close()
+
+    def abandon(self) -> None:
+        """The render ended before it needed the engine (a refused corpus, voice or store): close the
+        engine now if it is built, else as soon as it is, so no engine-core process is left running
+        for Python's exit to wait on (a process that exits meanwhile waits only until then)."""
+        with self._lock:
+            self._abandoned = True
+            if self._engine is not None:
+                self._engine.close()
 
     def result(self) -> Engine:
         self._thread.join()
@@ -205,23 +222,32 @@ def render_local(path: str | Path | None, out_dir: str | Path, voice: str | None
         raise ValueError("render needs a corpus path and a voice, or a job id to resume")
     params = params or SynthesisParams()
     starting = _EngineStart(settings, voice, params) if engine is None else None
-    if resume is None:
-        spec = plan_job(path, voice, settings, name=name, fmt=fmt, params=params, engine=engine_name, cast=cast,
-                        lexicon=lexicon, reuse=reuse, title=title, author=author, progress=on_plan)
-        job_id = stable_job_id(spec, engine_name, settings.model_dir)
-        cover_key = keys.cover(job_id, spec.cover_key.rsplit(".", 1)[-1]) if spec.cover_key else None
-        spec = spec.model_copy(update={"id": job_id, "cover_key": cover_key})  # the cover moves with the id
-    check_voices(storage, spec)
-    check_storage(storage, spec)
+    try:
+        if resume is None:
+            spec = plan_job(path, voice, settings, name=name, fmt=fmt, params=params, engine=engine_name, cast=cast,
+                            lexicon=lexicon, reuse=reuse, title=title, author=author, progress=on_plan)
+            job_id = stable_job_id(spec, engine_name, settings.model_dir)
+            cover_key = keys.cover(job_id, spec.cover_key.rsplit(".", 1)[-1]) if spec.cover_key else None
+            spec = spec.model_copy(update={"id": job_id, "cover_key": cover_key})  # the cover moves with the id
+        check_voices(storage, spec)
+        check_storage(storage, spec)
+    except BaseException:
+        if starting is not None:
+            starting.abandon()
+        raise
     if starting is not None:
         engine = starting.result()
     else:
         check_engine(engine, spec.voice, spec.params)
-    store_spec(storage, spec)
-    if on_start is not None:
-        on_start(spec, stored_segments(storage, spec))
-    times.ready = time.monotonic()
-    manifest = _run(spec, storage, engine, settings, on_progress, times)
+    try:
+        store_spec(storage, spec)
+        if on_start is not None:
+            on_start(spec, stored_segments(storage, spec))
+        times.ready = time.monotonic()
+        manifest = _run(spec, storage, engine, settings, on_progress, times)
+    finally:
+        if starting is not None:  # an engine this render built is this render's to close (a given one is not)
+            engine.close()
     log.info("job %s: %s", spec.id, ", ".join(f"{k} {v}" for k, v in times.phases().items()))
     return manifest
 

@@ -113,6 +113,12 @@ class Engine(ABC):
         backend's CUDA graphs per row count): part of `warmup`; `voxbatch render` may call it after
         its probe. Nothing by default."""
 
+    def close(self) -> None:
+        """Release what the engine holds beyond this process's own memory, once nothing more will be
+        rendered: the vLLM backend's engine cores are processes of their own, and Python's exit waits
+        for such a child that nobody stopped (a `voxbatch worker` on vLLM never exited on SIGTERM).
+        Nothing by default."""
+
     @abstractmethod
     def synthesize(self, batch: list[SynthesisRequest]) -> Iterator[SynthesisResult]:
         """Synthesize a batch; yield each result as soon as it is ready (any order)."""

@@ -10,7 +10,10 @@ thread that died) is started again after a jittered backoff (voxbatch/outage.py)
 each quick death and resets once a child has run for `HEALTHY_S`; its unacknowledged task returns to the queue through the broker's visibility timeout,
 and the per-segment attempt counter in Redis ends a poison task's loop. SIGTERM/SIGINT are passed
 on: each child stops taking tasks, gives its in-flight segments the shutdown window, hands back
-what is unfinished (worker/main.py), and the launcher exits when all children have.
+what is unfinished (worker/main.py), and the launcher exits when all children have; a child still
+running `stop_wait_s` after the signal (its window, its grace and a margin) is killed, and the
+launcher then exits 1. Each child also gets SIGTERM when the launcher dies, even by SIGKILL
+(worker/main.py, `die_with_launcher`), so no worker outlives it holding its GPU.
 
 Each child leads a process group of its own, and whatever is left in that group when the child has
 exited is killed before anything else starts on its GPU. An engine's helper processes outlive a worker
@@ -36,11 +39,16 @@ from voxbatch.worker.mps import MpsDaemon
 HEALTHY_S = 60.0
 # How long a dead child's leftover processes get to disappear after SIGKILL before the launcher goes on.
 REAP_WAIT_S = 10.0
+# Each child's environment names the launcher's pid here; the child stops itself when that process dies.
+LAUNCHER_PID_ENV = "VOXBATCH_LAUNCHER_PID"
+# Past a child's shutdown window and grace (worker/main.py), how long its exit may take (closing its
+# engine: a vLLM core's shutdown) before the launcher kills it.
+EXIT_MARGIN_S = 30.0
 
 
 def _spawn(gpu: str | None, concurrency: int | None, queues: str | None,
            env_overrides: dict[str, str]) -> subprocess.Popen:
-    env = {**os.environ, **env_overrides}
+    env = {**os.environ, **env_overrides, LAUNCHER_PID_ENV: str(os.getpid())}
     cmd = [sys.executable, "-m", "voxbatch.worker.main"]
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = gpu
@@ -92,22 +100,25 @@ def _group_running(pgid: int) -> bool:
 
 
 def run_workers(gpus: list[str] | None, concurrency: int | None = None, queues: str | None = None,
-                restart: bool = True, env_overrides: dict[str, str] | None = None, mps: bool = False) -> int:
+                restart: bool = True, env_overrides: dict[str, str] | None = None, mps: bool = False,
+                stop_wait_s: float = 120.0) -> int:
     """Start one process per GPU (or one unpinned process when `gpus` is None) and supervise them.
 
     `env_overrides` carries settings given as CLI flags (VOXBATCH_ENGINE=...) to the children; with
     `mps`, a CUDA MPS daemon of the launcher's own serves them (voxbatch/worker/mps.py) until it exits.
+    Told to stop, it waits `stop_wait_s` for each child to finish, then kills what is left (exit 1).
     """
     daemon = MpsDaemon().start() if mps else None
     try:
-        return _supervise(gpus, concurrency, queues, restart, {**(env_overrides or {}), **(daemon.env if daemon else {})})
+        return _supervise(gpus, concurrency, queues, restart, {**(env_overrides or {}), **(daemon.env if daemon else {})},
+                          stop_wait_s)
     finally:
         if daemon is not None:
             daemon.stop()
 
 
 def _supervise(gpus: list[str] | None, concurrency: int | None, queues: str | None, restart: bool,
-               extra: dict[str, str]) -> int:
+               extra: dict[str, str], stop_wait_s: float) -> int:
     slots: list[str | None] = list(gpus) if gpus else [None]
     procs = {slot: _spawn(slot, concurrency, queues, extra) for slot in slots}
     started = {slot: time.monotonic() for slot in slots}
@@ -129,10 +140,17 @@ def _supervise(gpus: list[str] | None, concurrency: int | None, queues: str | No
     while True:
         time.sleep(0.5)
         if stopping:
-            for p in procs.values():
-                p.wait()
+            deadline, code = time.monotonic() + stop_wait_s, 0
+            for slot, p in procs.items():
+                try:
+                    p.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    print(f"voxbatch: worker for GPU {slot} (pid {p.pid}) still running {stop_wait_s:.0f}s after "
+                          "the stop signal; killing it", file=sys.stderr, flush=True)
+                    code = 1
                 _kill_leftovers(p)
-            return 0
+                p.wait()
+            return code
         for slot, p in list(procs.items()):
             code = p.poll()
             if code is None:

@@ -16,7 +16,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import socket
+import sys
 import threading
 import time
 
@@ -28,6 +30,7 @@ from voxbatch.jobstate import RedisJobStore
 from voxbatch.settings import load_settings
 from voxbatch.storage import open_storage
 from voxbatch.worker import timeline
+from voxbatch.worker.launcher import LAUNCHER_PID_ENV
 
 log = logging.getLogger("voxbatch.worker")
 
@@ -58,6 +61,22 @@ def _abandon_after(pipeline, window_s: float) -> None:
     log.warning("shutdown window over: %d unfinished render task(s) handed back to the queue", handed_back)
 
 
+def die_with_launcher() -> None:
+    """Under `voxbatch worker`'s launcher: have the kernel send this process SIGTERM (Celery's warm
+    shutdown) when the launcher dies, however it dies. Each worker leads a session of its own, so a
+    launcher killed by SIGKILL (an OOM kill, a supervisor's timeout) took nothing with it, and its
+    workers rendered on, holding their GPUs, beside the next launcher's. Linux only (prctl)."""
+    launcher = os.environ.get(LAUNCHER_PID_ENV)
+    if not launcher or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if str(os.getppid()) != launcher:  # it died before the request took hold
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def _heartbeat(jobs: RedisJobStore, pipeline, name: str, queues: str, every_s: float) -> None:
     """Tell Redis this worker is alive, and when it last took work, every `every_s` (a daemon thread:
     it dies with the process, and the entry then ages out)."""
@@ -79,6 +98,7 @@ def serve(gpu: str | None, concurrency: int | None, queues: str | None, hostname
     from voxbatch.worker.pipeline import Pipeline
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    die_with_launcher()
     settings = load_settings()
     timeline.configure(settings.timeline_log)
     if settings.gpu_trace_dir:
@@ -116,6 +136,7 @@ def serve(gpu: str | None, concurrency: int | None, queues: str | None, hostname
         ])
     finally:
         pipeline.stop(timeout_s=STOP_GRACE_S)
+        engine.close()
 
 
 def main() -> None:

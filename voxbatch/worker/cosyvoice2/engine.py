@@ -507,6 +507,9 @@ class CosyVoice2Engine(Engine):
     def warm_graphs(self) -> None:
         self.llm.warmup()
 
+    def close(self) -> None:
+        self.llm.close()
+
     def serve(self, intake, emit, stop, observe=None, admit=None) -> None:
         """The worker's loop: one streaming scheduler (streaming.py) over the LLM backend's continuous
         batching and flow/HiFT threads on their own CUDA streams; the Pipeline contract of `Engine.serve`."""

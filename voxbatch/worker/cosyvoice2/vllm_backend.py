@@ -361,8 +361,9 @@ class VllmLlmBackend(LlmBackend):
         )
 
     def close(self) -> None:
-        """Stop the driver threads and the engine cores (frees the KV caches)."""
-        for d in getattr(self, "drivers", []):
+        """Stop the driver threads and the engine cores (frees the KV caches); once, however often called."""
+        drivers, self.drivers = getattr(self, "drivers", []), []
+        for d in drivers:
             d.close()
 
 
