@@ -457,6 +457,15 @@ def vllm_run(spec: str) -> dict:
             "admit_group": s.vllm_admit_group, "stream_priority": s.vllm_stream_priority, "engines": s.vllm_engines}
 
 
+class StageFailed(Exception):
+    """A stage that failed part way, raised from its error, with what it measured before it (`partial`,
+    kept in the result as the stage's record beside the error)."""
+
+    def __init__(self, partial: dict):
+        super().__init__("stage failed part way")
+        self.partial = partial
+
+
 def vllm_run_mps(spec: str) -> bool:
     """Whether a --vllm-runs spec's engine cores run as clients of a CUDA MPS daemon (`mps=true`)."""
     return spec != "shipped" and Settings(**{RUN_KEYS[k]: v for k, v in parse_run(spec).items() if k == "mps"}).cuda_mps
@@ -638,6 +647,9 @@ class Bench:
             out["stage_wall_s"] = round(time.perf_counter() - t, 1)
             self.results["stages"][name] = out
         except Exception as e:  # noqa: BLE001 - one failing stage must not lose the others
+            if isinstance(e, StageFailed):  # what it measured before the failure is kept
+                self.results["stages"][name] = e.partial
+                e = e.__cause__ or e
             self.results["errors"][name] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
             print(self.results["errors"][name], flush=True)
         gc.collect()
@@ -1041,12 +1053,17 @@ class Bench:
             size = a.worker_task_sizes[0]
             key = f"tasks_of_{size}"
             a_runs, b_runs = [first["runs"][key]], {spec: [] for spec in a.worker_ab}
-            for r in range(a.worker_ab_rounds):  # A (B1 .. Bk A) x rounds
-                suffix = "" if r == 0 else f"_r{r + 1}"
-                for k, spec in enumerate(a.worker_ab):
-                    v = self._worker_jobs({**base, **parse_run(spec, switches=True)}, [size], f"_ab{k + 1}{suffix}", corpus, warm)
-                    b_runs[spec].append(v)
-                a_runs.append(self._worker_jobs(base, [size], f"_ab_again{suffix}", corpus, warm)["runs"][key])
+            try:
+                for r in range(a.worker_ab_rounds):  # A (B1 .. Bk A) x rounds
+                    suffix = "" if r == 0 else f"_r{r + 1}"
+                    for k, spec in enumerate(a.worker_ab):
+                        v = self._worker_jobs({**base, **parse_run(spec, switches=True)}, [size], f"_ab{k + 1}{suffix}", corpus, warm)
+                        b_runs[spec].append(v)
+                    a_runs.append(self._worker_jobs(base, [size], f"_ab_again{suffix}", corpus, warm)["runs"][key])
+            except Exception as e:  # the stage fails, keeping the workers that ran (a lone A is still a measurement)
+                out["ab"] = {"failed": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", "a_runs": a_runs,
+                             "b_runs": {spec: [v["runs"][key] for v in vs] for spec, vs in b_runs.items()}}
+                raise StageFailed(out) from e
             xa = [run["x_realtime"] for run in a_runs]
             a_mean = sum(xa) / len(xa)
             out["ab"] = {"order": "A" + (" " + " ".join(f"B{k + 1}" for k in range(len(a.worker_ab))) + " A") * a.worker_ab_rounds,

@@ -271,6 +271,32 @@ def test_worker_ab_runs_each_variant_between_two_runs_of_the_first(tmp_path, tin
     assert "voxbatch worker A/B (A B1 B2 A)" in (tmp_path / "ab.md").read_text()
 
 
+def test_a_variant_whose_worker_cannot_start_fails_the_stage_and_keeps_what_ran(tmp_path, tiny_model_dir):
+    """`--worker-ab` where B's worker never starts (here: its launcher's MPS daemon refuses): the stage
+    fails (exit 1, its error in the result) and the result still holds A's job, measured before."""
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server not on PATH")
+    refusing = tmp_path / "bin"
+    refusing.mkdir()
+    control = refusing / "nvidia-cuda-mps-control"
+    control.write_text("#!/bin/sh\necho 'no MPS here' >&2\nexit 1\n")
+    control.chmod(0o755)
+    args = ["--tiny", "--device", "cpu", "--segments", "4", "--max-s", "3", "--stages", "worker", "--worker-run",
+            "rows=4,flow=2,task=2", "--worker-task-sizes", "4", "--worker-warm-segments", "2", "--budget-s", "3000",
+            "--worker-ab", "mps=true", "--fixture-yaml", str(tiny_model_dir / "cosyvoice2.yaml"), "--out", str(tmp_path)]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PATH": f"{refusing}{os.pathsep}{os.environ['PATH']}"}
+    out = subprocess.run([sys.executable, "-m", "bench.gpu_engine", *args], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=900)
+    assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
+    result = json.loads((tmp_path / "gpu_engine.json").read_text())
+    assert "no MPS here" in result["errors"]["worker"]
+    worker = result["stages"]["worker"]
+    (a_run,) = worker["ab"]["a_runs"]
+    assert a_run == worker["runs"]["tasks_of_4"] and a_run["done"] == 4 and a_run["failed"] == 0
+    assert worker["ab"]["b_runs"] == {"mps=true": []} and "exited (2)" in worker["ab"]["failed"]
+    assert result["headline"]["x_realtime"] == a_run["x_realtime"]
+
+
 def test_a_worker_that_dies_while_starting_fails_the_stage_at_once(tmp_path, tiny_model_dir):
     """A worker that dies before it is ready is restarted by its supervisor, and dies again: the stage
     fails at the first death with that failure's message, instead of waiting out the 300 s for a ready

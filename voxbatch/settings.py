@@ -114,13 +114,17 @@ class Settings(BaseSettings):
     # alone at 256 rows, corpus longest text first, 22.5k tokens/s with 2 and 13.7k with 4 against 21.1k
     # with 1, and 24.9k vs 31.6k at 256 fixed rows (bench/results/gpu_h100_s40b_vllm.json); the worker
     # 260.7x with 2 against 256.2x with 1, one pair (gpu_h100_s40c_vllm_worker_log.txt). Inside the
-    # spread: 1 stays the default (bench run key `vengines`).
+    # spread: 1 stays the default (bench run key `vengines`). Under CUDA MPS (each core a client of one
+    # daemon, so their kernels run side by side) they did worse: 17.7k tokens/s with 2 and 13.5k with 4
+    # against 22.1k with 1, same run (bench/results/gpu_h100_s42a_vllm_mps.json).
     vllm_engines: int = Field(1, ge=1, le=8)
     # `voxbatch worker` starts a CUDA MPS control daemon of its own for its workers (voxbatch/worker/mps.py),
     # so that a worker's flow/HiFT kernels and its vLLM engine core's (another process) run side by side
     # instead of in the driver's time slices; the torch backend is one process and gains nothing. Needs
-    # nvidia-cuda-mps-control on PATH. Off by default until a worker A/B on a GPU says it pays (bench
-    # run key `mps`, e.g. `--worker-run backend=vllm,task=16 --worker-ab mps=true`).
+    # nvidia-cuda-mps-control on PATH. Off: no gain seen. The worker on vLLM ran 263.2x real time with it
+    # (bench/results/gpu_h100_s42c_vllm_worker_mps.json) and 263.6x without (the A run of
+    # gpu_h100_s42b_vllm_worker_stop_log.txt), on H100s of two calls, not one run; several vLLM cores under MPS were slower still
+    # (vllm_engines). Bench run key `mps` (`--worker-run backend=vllm,task=16 --worker-ab mps=true`).
     cuda_mps: bool = False
     # Most segments the engine decodes at once (the torch backend's KV-cache rows, vLLM's max_num_seqs).
     # None: the engine picks (`llm_rows`, voxbatch/worker/cosyvoice2/engine.py): 256 with the LLM on
