@@ -302,15 +302,6 @@ def test_failing_segment_is_retried_then_recorded_and_retry_reenqueues_only_it(c
     assert status.state == "completed_with_errors" and status.failed == 1
 
 
-def _running(pid: int) -> bool:
-    """Whether process `pid` exists and is not a zombie (an exited process its parent has not reaped)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except OSError:
-        return False
-
-
 def test_segment_that_crashes_its_worker_is_given_up_after_max_attempts(cluster, tmp_path):
     """A poison segment SIGKILLs every worker that renders it. The launcher restarts the worker, the
     broker redelivers the task (visibility timeout), and the Redis attempt counter ends the loop:
@@ -354,7 +345,7 @@ def test_segment_that_crashes_its_worker_is_given_up_after_max_attempts(cluster,
     # killed it before starting the next worker, so none of them still runs.
     helpers = [int(pid) for pid in re.findall(r"asks for a crash; helper pid (\d+);", log)]
     assert len(helpers) == max_attempts
-    assert not [pid for pid in helpers if _running(pid)], log[-4000:]
+    assert not [pid for pid in helpers if services.process_running(pid)], log[-4000:]
     assert launcher.proc.poll() is None and subprocess.run(["pgrep", "-P", str(launcher.proc.pid)]).returncode == 0
     assert cluster.unacked() == 0 and cluster.jobs.r.llen(cluster.env["VOXBATCH_RENDER_QUEUE"]) == 0
 
@@ -463,7 +454,7 @@ def test_worker_launcher_pins_one_process_per_gpu(cluster):
     assert len(children) == 2
     os.kill(launcher.proc.pid, signal.SIGHUP)
     assert launcher.proc.wait(30) == 0
-    assert not [pid for pid in children if _running(pid)]
+    assert not [pid for pid in children if services.process_running(pid)]
 
 
 def test_workers_stop_when_their_launcher_is_killed(cluster):
@@ -477,7 +468,7 @@ def test_workers_stop_when_their_launcher_is_killed(cluster):
     assert len(children) == 2
     launcher.proc.kill()  # the launcher only, not its workers' process groups
     launcher.proc.wait(10)
-    services.wait_until(lambda: not [pid for pid in children if _running(pid)], 60, "the workers to exit")
+    services.wait_until(lambda: not [pid for pid in children if services.process_running(pid)], 60, "the workers to exit")
     assert launcher.tail(20000).count("Warm shutdown") == 2  # each stopped as on SIGTERM, not killed
 
 

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 from dataclasses import replace
+from pathlib import Path
 import time
 
 import pytest
 
 from voxbatch import keys
+from voxbatch import testing_services as services
 from voxbatch.producer.submit import render_tasks
 from voxbatch.jobstate import MemoryJobStore
 from voxbatch.models import JobSpec, Segment
@@ -17,6 +22,8 @@ from voxbatch.storage import LocalStorage
 from voxbatch.outage import backoff_s
 from voxbatch.worker.pipeline import Pipeline
 from voxbatch.worker.tone import FAIL_MARKER, ToneEngine
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 class SlowStorage(LocalStorage):
@@ -316,3 +323,26 @@ def test_a_lost_device_stores_what_is_rendered_then_ends_the_process(tmp_path):
     assert errors == ["AcceleratorError: CUDA error: an illegal memory access was encountered"]
     assert status.done == 4 and storage.puts == 4  # stored before the process would end
     assert status.failed == 0 and status.errors == {}  # nothing recorded against the segment
+
+
+def test_ending_the_process_at_once_takes_its_multiprocessing_children_with_it(tmp_path):
+    """`end_process` (a dead pipeline thread, a lost engine, render's lost engine) skips Python's exit:
+    a spawned child, as vLLM's engine core is, would run on with nothing to stop it. It is killed first."""
+    script = tmp_path / "ends.py"
+    script.write_text(
+        "import multiprocessing, time\n"
+        "from voxbatch.worker.pipeline import end_process\n"
+        "if __name__ == '__main__':\n"
+        "    child = multiprocessing.get_context('spawn').Process(target=time.sleep, args=(600,))\n"
+        "    child.start()\n"
+        "    print(child.pid, flush=True)\n"
+        "    end_process(3)\n")
+    proc = subprocess.run([sys.executable, str(script)], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 3, proc.stderr
+    child = int(proc.stdout.split()[0])
+    deadline = time.monotonic() + 10
+    while services.process_running(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not services.process_running(child)
+

@@ -49,6 +49,15 @@ def _port_free(port: int) -> bool:
             return False
 
 
+def process_running(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie (an exited process its parent has not reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except OSError:
+        return False
+
+
 def wait_until(check, timeout_s: float, what: str, interval_s: float = 0.1):
     deadline = time.monotonic() + timeout_s
     last: Exception | None = None

@@ -33,6 +33,7 @@ not use up a segment's attempts.
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import queue
 import sys
@@ -69,8 +70,12 @@ __all__ = ["Pipeline", "TaskHandle", "TaskAbandoned", "THREAD_DIED_EXIT", "ENGIN
 
 
 def end_process(code: int) -> None:
-    """Flush the logs and end the process at once with `code` (no thread is waited for)."""
+    """Flush the logs and end the process at once with `code` (no thread is waited for), its
+    multiprocessing children killed first: a vLLM engine core (spawned through multiprocessing) whose
+    parent ends this way runs on, holding its KV cache on the GPU, with nothing left to stop it."""
     logging.shutdown()
+    for child in multiprocessing.active_children():
+        child.kill()
     os._exit(code)
 
 
