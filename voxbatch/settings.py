@@ -121,10 +121,11 @@ class Settings(BaseSettings):
     # `voxbatch worker` starts a CUDA MPS control daemon of its own for its workers (voxbatch/worker/mps.py),
     # so that a worker's flow/HiFT kernels and its vLLM engine core's (another process) run side by side
     # instead of in the driver's time slices; the torch backend is one process and gains nothing. Needs
-    # nvidia-cuda-mps-control on PATH. Off: no gain seen. The worker on vLLM ran 263.2x real time with it
-    # (bench/results/gpu_h100_s42c_vllm_worker_mps.json) and 263.6x without (the A run of
-    # gpu_h100_s42b_vllm_worker_stop_log.txt), on H100s of two calls, not one run; several vLLM cores under MPS were slower still
-    # (vllm_engines). Bench run key `mps` (`--worker-run backend=vllm,task=16 --worker-ab mps=true`).
+    # nvidia-cuda-mps-control on PATH. Off: no gain seen. The worker on vLLM ran 263.2x real time with
+    # it (bench/results/gpu_h100_s42c_vllm_worker_mps.json) and 263.6x without (the A run of
+    # gpu_h100_s42b_vllm_worker_stop_log.txt), on H100s of two calls, not one run; several vLLM cores
+    # under MPS were slower still (vllm_engines). Bench run key `mps` (`--worker-run
+    # backend=vllm,task=16 --worker-ab mps=true`).
     cuda_mps: bool = False
     # Most segments the engine decodes at once (the torch backend's KV-cache rows, vLLM's max_num_seqs).
     # None: the engine picks (`llm_rows`, voxbatch/worker/cosyvoice2/engine.py): 256 with the LLM on
