@@ -22,6 +22,9 @@ REPO = Path(__file__).resolve().parents[1]
 # The line `voxbatch worker`'s supervisor (voxbatch/worker/launcher.py) writes when a worker process dies
 # and is started again. One that dies while starting dies again: a forked vLLM core did, in a loop, until
 # the bench's 300 s wait ran out (bench/results/gpu_h100_s38_vllm_worker_log.txt).
+# How long the bench waits for a stopped `voxbatch worker` before it kills it: above the launcher's own
+# bound (the shutdown window, 60 s by default, + 35 s), so the launcher's is the one that acts.
+STOP_WAIT_S = 150
 RESTARTED = re.compile(r"voxbatch: worker for GPU \S+ exited with -?\d+; restarting in")
 
 
@@ -113,10 +116,14 @@ class WorkerHarness:
             time.sleep(0.05)
 
     def close(self) -> None:
+        """Stop the worker as a user would (SIGTERM to `voxbatch worker`) and wait for it: the launcher
+        exits once its workers have, killing any still running past their stop wait itself, so the next
+        worker starts on a GPU this one has left (a worker that kept running beside the next one took the
+        memory its vLLM core needed, bench/results/gpu_h100_s42b_vllm_worker_stop_log.txt)."""
         if self.worker is not None and self.worker.poll() is None:
             os.killpg(self.worker.pid, 15)
             try:
-                self.worker.wait(30)
+                self.worker.wait(STOP_WAIT_S)
             except subprocess.TimeoutExpired:
                 os.killpg(self.worker.pid, 9)
                 self.worker.wait(10)
