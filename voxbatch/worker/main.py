@@ -92,10 +92,7 @@ def _heartbeat(jobs: RedisJobStore, pipeline, name: str, queues: str, every_s: f
 
 
 def serve(gpu: str | None, concurrency: int | None, queues: str | None, hostname: str | None) -> None:
-    from voxbatch.worker import tasks
-    from voxbatch.worker.budget import inflight_segments, task_threads
     from voxbatch.worker.engine import build_engine
-    from voxbatch.worker.pipeline import Pipeline
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     die_with_launcher()
@@ -109,6 +106,19 @@ def serve(gpu: str | None, concurrency: int | None, queues: str | None, hostname
              f", CUDA MPS pipe {os.environ['CUDA_MPS_PIPE_DIRECTORY']}" if os.environ.get("CUDA_MPS_PIPE_DIRECTORY") else "")
     configure_celery(settings)
     engine = build_engine(settings)
+    try:
+        _serve_with(engine, settings, gpu, concurrency, queues, hostname)
+    finally:  # on every way out, a failed start included: Python's exit would wait on an open vLLM core
+        engine.close()
+
+
+def _serve_with(engine, settings, gpu: str | None, concurrency: int | None, queues: str | None,
+                hostname: str | None) -> None:
+    """The worker around a built engine: warm it, start the pipeline, run Celery until it stops."""
+    from voxbatch.worker import tasks
+    from voxbatch.worker.budget import inflight_segments, task_threads
+    from voxbatch.worker.pipeline import Pipeline
+
     engine.warmup()
     metrics = None
     if settings.metrics_port:
@@ -136,7 +146,6 @@ def serve(gpu: str | None, concurrency: int | None, queues: str | None, hostname
         ])
     finally:
         pipeline.stop(timeout_s=STOP_GRACE_S)
-        engine.close()
 
 
 def main() -> None:
