@@ -450,7 +450,7 @@ def vllm_run(spec: str) -> dict:
     if unknown := set(run) - set(VLLM_RUN_KEYS):
         raise SystemExit(f"bad --vllm-runs spec {spec!r}: keys {', '.join(sorted(unknown))} are not vLLM options ({', '.join(VLLM_RUN_KEYS)})")
     s = Settings(**{RUN_KEYS[k]: v for k, v in run.items()})
-    if s.cuda_mps and not s.vllm_engine_process:
+    if s.cuda_mps and s.vllm_engine_process is False:  # None: the GPU's default, a process of its own
         raise SystemExit(f"bad --vllm-runs spec {spec!r}: mps serves engine cores in processes of their own (process=1)")
     return {"engine_process": s.vllm_engine_process, "async_scheduling": s.vllm_async_scheduling,
             "cudagraph_max_tokens": s.vllm_cudagraph_max_tokens, "cudagraph_mode": s.vllm_cudagraph_mode,

@@ -22,10 +22,10 @@ REPO = Path(__file__).resolve().parents[1]
 # The line `voxbatch worker`'s supervisor (voxbatch/worker/launcher.py) writes when a worker process dies
 # and is started again. One that dies while starting dies again: a forked vLLM core did, in a loop, until
 # the bench's 300 s wait ran out (bench/results/gpu_h100_s38_vllm_worker_log.txt).
+RESTARTED = re.compile(r"voxbatch: worker for GPU \S+ exited with -?\d+; restarting in")
 # How long the bench waits for a stopped `voxbatch worker` before it kills it: above the launcher's own
 # bound (the shutdown window, 60 s by default, + 35 s), so the launcher's is the one that acts.
 STOP_WAIT_S = 150
-RESTARTED = re.compile(r"voxbatch: worker for GPU \S+ exited with -?\d+; restarting in")
 
 
 def free_port() -> int:

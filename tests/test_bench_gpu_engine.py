@@ -106,7 +106,7 @@ def test_vllm_run_specs_read_every_vllm_option_through_settings():
         "import json; from bench.gpu_engine import VLLM_RUN_KEYS, vllm_run, vllm_run_mps\n"
         "spec = 'process=1,async=1,vgraphs=1024,vmode=PIECEWISE,vgroup=16,vpriority=-1,vengines=2,mps=true'\n"
         "print(json.dumps([len(VLLM_RUN_KEYS), vllm_run(spec), vllm_run('shipped'),"
-        " [vllm_run_mps(s) for s in (spec, 'shipped', 'vengines=2', 'mps=false')]]))\n"
+        " [vllm_run_mps(s) for s in (spec, 'shipped', 'vengines=2', 'mps=false')], vllm_run('mps=true,vengines=2')]))\n"
         "for bad in ('rows=8', 'vpriority=3', 'process=0,vengines=2', 'process=0,mps=true', 'mps=maybe'):\n"
         "    try:\n        vllm_run(bad)\n    except (SystemExit, ValueError) as e:\n        print(bad, '->', str(e).splitlines()[0:3])\n"
     )
@@ -114,12 +114,14 @@ def test_vllm_run_specs_read_every_vllm_option_through_settings():
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     first, *refused = out.stdout.splitlines()
-    n_keys, opts, shipped, mps = json.loads(first)
+    n_keys, opts, shipped, mps, default_process = json.loads(first)
     assert opts == {"engine_process": True, "async_scheduling": True, "cudagraph_max_tokens": 1024,
                     "cudagraph_mode": "PIECEWISE", "admit_group": 16, "stream_priority": -1, "engines": 2}
     # every key but mps is an engine option; mps says whether the cores are clients of an MPS daemon
     assert n_keys == len(opts) + 1 and shipped.pop("engines") == 1 and set(shipped.values()) == {None}
     assert mps == [True, False, False, False]
+    # mps with the core process left to its default (None: its own process on a GPU) is a run, not an error
+    assert default_process["engines"] == 2 and default_process["engine_process"] is None
     assert refused[0].startswith("rows=8 ->") and "not vLLM options" in refused[0]
     # CUDA priorities run from 0 (the default) to -5 (most urgent): 3 is out of the setting's bounds
     assert refused[1].startswith("vpriority=3 ->") and "vllm_stream_priority" in refused[1]

@@ -213,7 +213,8 @@ def test_render_with_a_broken_model_dir_names_the_file(damage, voice, tiny_model
 @pytest.mark.parametrize("own_process", [False, True])
 def test_render_with_the_vllm_backend(own_process, tiny_model, prompt_wav, corpus, tmp_path, monkeypatch):
     """In the render's process (a CPU's default) and in a process of its own (a GPU's): the command
-    closes the core it started and exits (an unclosed core's process kept Python's exit waiting)."""
+    renders, closes the core it started and exits. (Before `Engine.close`, render's exit left the core
+    to vLLM's own exit hook; the worker's SIGTERM path hung on it, tested below.)"""
     vllm_or_skip()
     monkeypatch.setenv("VOXBATCH_VLLM_ENGINE_PROCESS", str(own_process).lower())
     render_and_check(tiny_model, prompt_wav, corpus, tmp_path / "out", "--llm-backend", "vllm")
