@@ -808,9 +808,9 @@ class Bench:
         save_llm(self.llm, self.model_dir)
         rows, runs = [], {}
         for spec in self.args.vllm_runs:
-            run = vllm_run(spec)
+            run, mps = vllm_run(spec), vllm_run_mps(spec)
             label = "" if spec == "shipped" else f" [{spec}]"
-            with mps_clients(vllm_run_mps(spec)):
+            with mps_clients(mps):
                 t = time.perf_counter()
                 backend = VllmLlmBackend(self.model_dir, VllmOptions(gpu_memory_utilization=self.args.vllm_mem, max_model_len=self.max_seq,
                                                                      max_num_seqs=B, export_cache_dir=str(self.tmp / "vllm-export"), **run))
@@ -837,7 +837,7 @@ class Bench:
             ratios = {order: round(by_vllm[order]["tokens_per_s"] / by_torch[order]["tokens_per_s"], 3) for order in orders}
             for order, ratio in ratios.items():
                 print(f"  llm{label} corpus B={B} {order}: vllm / torch = {ratio}", flush=True)
-            runs[spec] = {"options": run, "mps": vllm_run_mps(spec), "startup_s": round(startup, 1), "vllm_over_torch_by_order": ratios,
+            runs[spec] = {"options": run, "mps": mps, "startup_s": round(startup, 1), "vllm_over_torch_by_order": ratios,
                           "corpus_tokens_per_s": {o: v["tokens_per_s"] for o, v in by_vllm.items()}}
         rows += list(by_torch.values())
         intake = "longest text first"
