@@ -50,6 +50,14 @@ GC_EVENTS = ("gc1", "gc2")  # count = the pause in milliseconds
 # the thread's CPU time over each placement and `llm_prefill_ms` the part of it spent filling the rows:
 # both are parts of `llm_place_ms`, not to be added to it.
 LLM_HOST_EVENTS = ("llm_admit_ms", "llm_place_ms", "llm_place_cpu_ms", "llm_prefill_ms")
+# The CUDA caching allocator's calls into the driver since the previous reading, one event each per
+# flow/HiFT batch (`allocator_probe`): `cuda_malloc` (cudaMalloc calls), `cuda_free` (cudaFree calls,
+# each a wait for the whole device) and `cuda_alloc_retry` (an allocation that failed, freed the
+# cache and tried again: a device-wide wait too). Why: in the vocoder-only tail the GPU dipped to
+# 12-48% busy at each batch's turnover while the other thread's batch was mid-way
+# (bench/results/gpu_h200_worker23.json, raw utilisation against the log), and a device-wide wait
+# there would stall both threads; these say whether the allocator is one.
+ALLOCATOR_EVENTS = {"cuda_malloc": "num_device_alloc", "cuda_free": "num_device_free", "cuda_alloc_retry": "num_alloc_retries"}
 # How long the launch of one tiny kernel held the LLM thread at each placement (count = microseconds),
 # beside `llm_place_cpu_ms`, the thread's CPU time over the placement. Why: placements took 60-210 ms
 # while the GIL was mostly free (bench/results/gpu_h100_s38_torch_gil.json). These readings settled it
@@ -68,6 +76,7 @@ GIL_PROBE_S = 0.005  # the probe's sleep (200 wake-ups a second)
 GIL_WINDOW_S = 0.1  # one `gil` event per this long
 _gc_started = 0.0
 _probe: threading.Thread | None = None
+_allocator_seen: dict[str, int] = {}
 
 
 def _on_gc(phase: str, info: dict) -> None:
@@ -143,6 +152,20 @@ def launch_probe(launch: Callable[[], object]) -> None:
     event(LAUNCH_EVENT, round(1e6 * (time.perf_counter() - began)))
 
 
+def allocator_probe(device) -> None:
+    """ALLOCATOR_EVENTS on `device` (a CUDA device), counted since the previous call; nothing when the
+    timeline is off or the device is not CUDA."""
+    if not log.isEnabledFor(logging.INFO) or getattr(device, "type", None) != "cuda":
+        return
+    import torch  # the timeline itself runs without torch (the tone engine, the bench's parser)
+
+    stats = torch.cuda.memory_stats(device)
+    for name, key in ALLOCATOR_EVENTS.items():
+        now = int(stats.get(key, 0))
+        event(name, now - _allocator_seen.get(name, now))
+        _allocator_seen[name] = now
+
+
 def read(lines, start: float, end: float) -> list[tuple[float, str, int]]:
     """(seconds since `start`, event, count) of the timeline lines stamped within [start, end]."""
     out = []
@@ -170,7 +193,8 @@ def summary(events: list[tuple[float, str, int]]) -> dict[str, float | int | Non
     the worst window, microseconds) and the vocoder batches' host share (their queueing time over
     their wall time, summed over the job's batches), how often two batches started together, the
     sizes of the batches started after the LLM's last row (the vocoder-only tail), the LLM thread's
-    host time in total per kind, and its placements' one-launch probe (median and worst, us)."""
+    host time in total per kind, and its placements' one-launch probe (median and worst, us), and the
+    allocator's driver calls in total (ALLOCATOR_EVENTS)."""
     first = {name: next((round(t, 3) for t, e, _ in events if e == name), None) for name in EVENTS}
     done = [t for t, e, _ in events if e == "llm_done"]
     starts = [(t, n) for t, e, n in events if e == "vocode_start"]
@@ -189,6 +213,6 @@ def summary(events: list[tuple[float, str, int]]) -> dict[str, float | int | Non
             "vocode_host_share_pct": round(100 * host / wall, 1) if wall else None,
             "vocode_paired_starts": sum(1 for (a, _), (b, _) in zip(starts, starts[1:]) if b - a <= PAIRED_START_S),
             "vocode_tail_batches": [n for t, n in starts if done and t >= done[-1]],
-            **{f"{name}_total": sum(n for _, e, n in events if e == name) for name in LLM_HOST_EVENTS},
+            **{f"{name}_total": sum(n for _, e, n in events if e == name) for name in LLM_HOST_EVENTS + tuple(ALLOCATOR_EVENTS)},
             "llm_launch_us_median": launches[len(launches) // 2] if launches else None,
             "llm_launch_us_max": launches[-1] if launches else None}

@@ -478,6 +478,9 @@ class _Vocoder:
                     audio_s += len(r.audio) / s.engine.sample_rate
                 s.emit(r)
             timeline.event("vocode_end", len(batch))
+            flow = getattr(s.engine, "flow", None)
+            if flow is not None:
+                timeline.allocator_probe(flow.encoder_proj.weight.device)
             now = time.perf_counter()
             if s.observe is not None:  # wall: since the previous batch was out, or since this one's first row
                 s.observe(len(batch), audio_s, now - max(self.last_observed, started))
