@@ -75,3 +75,11 @@ def test_two_threads_capture_replay_and_release_graphs_on_gpu() -> None:
                           capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": path})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert '"errors": []' in proc.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path: on a GPU the bench measures")
+def test_capture_stall_bench_refuses_a_machine_without_cuda() -> None:
+    """bench/capture_stall.py measures CUDA launches only: without a CUDA device it exits 2 with one line."""
+    proc = subprocess.run([sys.executable, "-m", "bench.capture_stall", "--window-s", "0.1"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip() == "capture_stall: needs a CUDA device", proc.stderr[-2000:]
