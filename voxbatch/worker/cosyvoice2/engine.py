@@ -580,6 +580,7 @@ class CosyVoice2Engine(Engine):
         seeds = [item.request.seed for item in items]
         with deterministic_cudnn():
             batch = self.mel_batch([item.tokens or [] for item in items], [item.voice for item in items])
+            timeline.event("vocode_flow_host_ms", round(1000 * (time.perf_counter() - started)))  # the flow's part queued
             if GATHER_TO_HIFT and all(s == 1.0 for s in speeds):  # the flow's batch to HiFT, realigned in one gather
                 mel, mel_lens = batch.left_aligned(HIFT_FRAME_QUANTUM, self.hift.conv_pre.weight.device)
             else:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -219,7 +220,9 @@ class ConditionalFlowMatching(nn.Module):
                 continue
             self._step(x, times[k], steps[k], branches, streaming)
             if k == 0 and n_steps > 2 and _capturable(x):
+                began = time.perf_counter()
                 graph = _StepGraph.capture(self, x, times[k], steps[k], branches, streaming)
+                timeline.event("flow_capture_ms", round(1000 * (time.perf_counter() - began)))
                 timeline.event("flow_graph_capture", B)
         return x[:, :, :T_out]
 
