@@ -156,6 +156,7 @@ def test_vocoder_phases_and_allocator_calls_are_summed_and_the_probe_is_silent_o
     s = timeline.summary(events)
     assert (s["flow_capture_ms_total"], s["vocode_flow_host_ms_total"]) == (95, 120)
     assert (s["cuda_malloc_total"], s["cuda_free_total"], s["cuda_alloc_retry_total"]) == (5, 0, 1)
+    assert s["pinned_alloc_total"] == 0
     assert timeline.summary([])["cuda_malloc_total"] == 0
     import torch
 

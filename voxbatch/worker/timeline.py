@@ -50,6 +50,11 @@ GC_EVENTS = ("gc1", "gc2")  # count = the pause in milliseconds
 # the thread's CPU time over each placement and `llm_prefill_ms` the part of it spent filling the rows:
 # both are parts of `llm_place_ms`, not to be added to it.
 LLM_HOST_EVENTS = ("llm_admit_ms", "llm_place_ms", "llm_place_cpu_ms", "llm_prefill_ms")
+# A flow/HiFT batch's host phases, ms (summed per job): `vocode_flow_host_ms`, from the batch's start
+# until the flow's GPU work is all queued (HiFT's host work follows, to `vocode_host_ms`), and
+# `flow_capture_ms`, the Euler step's graph capture in it; set beside the GPU's dips, they say which
+# phase each vocoder thread was in.
+VOCODER_HOST_EVENTS = ("vocode_flow_host_ms", "flow_capture_ms")
 # The CUDA caching allocator's calls into the driver since the previous reading, one event each per
 # flow/HiFT batch (`allocator_probe`): `cuda_malloc` (cudaMalloc calls), `cuda_free` (cudaFree calls,
 # each a wait for the whole device) and `cuda_alloc_retry` (an allocation that failed, freed the
@@ -57,12 +62,10 @@ LLM_HOST_EVENTS = ("llm_admit_ms", "llm_place_ms", "llm_place_cpu_ms", "llm_pref
 # 12-48% busy at each batch's turnover while the other thread's batch was mid-way
 # (bench/results/gpu_h200_worker23.json, raw utilisation against the log), and a device-wide wait
 # there would stall both threads; these say whether the allocator is one.
-# A flow/HiFT batch's host phases, ms (summed per job): `vocode_flow_host_ms`, from the batch's start
-# until the flow's GPU work is all queued (HiFT's host work follows, to `vocode_host_ms`), and
-# `flow_capture_ms`, the Euler step's graph capture in it; set beside the GPU's dips, they say which
-# phase each vocoder thread was in.
-VOCODER_HOST_EVENTS = ("vocode_flow_host_ms", "flow_capture_ms")
+# The pinned (host) allocator's too, where torch reports them: `pinned_alloc` (cudaHostAlloc calls: a
+# copy to the host of a size the cache has no block for) and `pinned_alloc_us` (their time).
 ALLOCATOR_EVENTS = {"cuda_malloc": "num_device_alloc", "cuda_free": "num_device_free", "cuda_alloc_retry": "num_alloc_retries"}
+PINNED_EVENTS = {"pinned_alloc": "num_host_alloc", "pinned_alloc_us": "host_alloc_time.total"}
 # How long the launch of one tiny kernel held the LLM thread at each placement (count = microseconds),
 # beside `llm_place_cpu_ms`, the thread's CPU time over the placement. Why: placements took 60-210 ms
 # while the GIL was mostly free (bench/results/gpu_h100_s38_torch_gil.json). These readings settled it
@@ -164,11 +167,14 @@ def allocator_probe(device) -> None:
         return
     import torch  # the timeline itself runs without torch (the tone engine, the bench's parser)
 
-    stats = torch.cuda.memory_stats(device)
-    for name, key in ALLOCATOR_EVENTS.items():
-        now = int(stats.get(key, 0))
-        event(name, now - _allocator_seen.get(name, now))
-        _allocator_seen[name] = now
+    readings = [(ALLOCATOR_EVENTS, torch.cuda.memory_stats(device))]
+    if hasattr(torch.cuda, "host_memory_stats"):  # torch 2.6 and later
+        readings.append((PINNED_EVENTS, torch.cuda.host_memory_stats()))
+    for events, stats in readings:
+        for name, key in events.items():
+            now = int(stats.get(key, 0))
+            event(name, now - _allocator_seen.get(name, now))
+            _allocator_seen[name] = now
 
 
 def read(lines, start: float, end: float) -> list[tuple[float, str, int]]:
@@ -199,8 +205,8 @@ def summary(events: list[tuple[float, str, int]]) -> dict[str, float | int | Non
     their wall time, summed over the job's batches), how often two batches started together, the
     sizes of the batches started after the LLM's last row (the vocoder-only tail), the LLM thread's
     host time in total per kind, and its placements' one-launch probe (median and worst, us), and the
-    vocoder threads' host phases and the allocator's driver calls in total (VOCODER_HOST_EVENTS,
-    ALLOCATOR_EVENTS)."""
+    vocoder threads' host phases and the allocators' driver calls in total (VOCODER_HOST_EVENTS,
+    ALLOCATOR_EVENTS, PINNED_EVENTS)."""
     first = {name: next((round(t, 3) for t, e, _ in events if e == name), None) for name in EVENTS}
     done = [t for t, e, _ in events if e == "llm_done"]
     starts = [(t, n) for t, e, n in events if e == "vocode_start"]
@@ -219,6 +225,6 @@ def summary(events: list[tuple[float, str, int]]) -> dict[str, float | int | Non
             "vocode_host_share_pct": round(100 * host / wall, 1) if wall else None,
             "vocode_paired_starts": sum(1 for (a, _), (b, _) in zip(starts, starts[1:]) if b - a <= PAIRED_START_S),
             "vocode_tail_batches": [n for t, n in starts if done and t >= done[-1]],
-            **{f"{name}_total": sum(n for _, e, n in events if e == name) for name in LLM_HOST_EVENTS + VOCODER_HOST_EVENTS + tuple(ALLOCATOR_EVENTS)},
+            **{f"{name}_total": sum(n for _, e, n in events if e == name) for name in LLM_HOST_EVENTS + VOCODER_HOST_EVENTS + tuple(ALLOCATOR_EVENTS) + tuple(PINNED_EVENTS)},
             "llm_launch_us_median": launches[len(launches) // 2] if launches else None,
             "llm_launch_us_max": launches[-1] if launches else None}
