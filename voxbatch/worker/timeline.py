@@ -161,8 +161,8 @@ def launch_probe(launch: Callable[[], object]) -> None:
 
 
 def allocator_probe(device) -> None:
-    """ALLOCATOR_EVENTS on `device` (a CUDA device), counted since the previous call; nothing when the
-    timeline is off or the device is not CUDA."""
+    """ALLOCATOR_EVENTS on `device` (a CUDA device) and PINNED_EVENTS, process-wide counts since the
+    previous call (by any thread); nothing when the timeline is off or the device is not CUDA."""
     if not log.isEnabledFor(logging.INFO) or getattr(device, "type", None) != "cuda":
         return
     import torch  # the timeline itself runs without torch (the tone engine, the bench's parser)
