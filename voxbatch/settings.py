@@ -170,7 +170,9 @@ class Settings(BaseSettings):
     # set when a pipeline starts; Python's own is 5 ms). The engine's LLM and flow/HiFT threads both
     # launch GPU work from Python: at 5 ms the LLM thread can wait a whole interval per decode step
     # while the vocoder thread launches flow kernels, and its stream runs dry (engine 256.9x at 1 ms vs
-    # 249.5x at 5 ms in one H200 run, bench/results/gpu_h200_worker4.json).
+    # 249.5x at 5 ms in one H200 run, bench/results/gpu_h200_worker4.json). Shorter is no faster: the
+    # worker on an H100, tasks of 16, 335.2x at 0.2 ms vs 338.7x / 337.9x at 1 ms (B/A 0.991,
+    # bench/results/gpu_h100_s43a_worker.json).
     gil_switch_interval_ms: float = Field(1.0, gt=0, le=100)
     # Log when the engine admits segments, starts or refills an LLM decode session and runs each
     # flow/HiFT batch with its host time (logger `voxbatch.timeline`, a few lines per batch;

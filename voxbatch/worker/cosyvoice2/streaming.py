@@ -46,7 +46,10 @@ POLL_S = 0.05  # how long an idle LLM thread waits on the intake before looking 
 # CUDA stream priority of the LLM thread (lower is more urgent; 0 is the default streams' priority).
 # The decode step is hundreds of small kernels that leave most SMs idle; at a higher priority than
 # the vocoder's stream they take SMs as flow/HiFT blocks retire instead of queueing behind whole flow
-# kernels, so the LLM decodes inside flow/HiFT's time rather than after it.
+# kernels, so the LLM decodes inside flow/HiFT's time rather than after it. At the vocoder's priority
+# (0) the LLM's kernels would fill more of the vocoder's gaps but end later: no different, the worker
+# on an H100, tasks of 16, 338.8x vs 338.7x / 337.9x at -1 (B/A 1.001, bench/results/
+# gpu_h100_s43a_worker.json). Bench switch `prio`.
 LLM_STREAM_PRIORITY = -1
 BUCKETS_PER_OCTAVE = 2  # flow length buckets per doubling of length (1: within 2x, 2: within 1.41x)
 IDLE_BATCH_DIV = 4  # an idle vocoder runs a bucket holding flow_batch / this many rows (0: wait for full/old)
