@@ -68,7 +68,8 @@ def _other(variant: str, ops: int, stop: threading.Event, rounds_ms: list[float]
     from voxbatch.worker.cosyvoice2 import cuda_graphs
 
     x = torch.ones(1 << 20, device="cuda")
-    stream, pool, last = torch.cuda.Stream(), torch.cuda.graph_pool_handle(), None
+    stream, pool = torch.cuda.Stream(), torch.cuda.graph_pool_handle()
+    held: list[torch.cuda.CUDAGraph] = []  # this round's graph and, until it is captured, the last one
     with torch.cuda.stream(stream):
         _chain(x, ops)  # warm-up outside any capture
         while not stop.is_set():
@@ -76,15 +77,16 @@ def _other(variant: str, ops: int, stop: threading.Event, rounds_ms: list[float]
             if variant == "eager":
                 _chain(x, ops)
             else:
-                graph = torch.cuda.CUDAGraph()
-                cuda_graphs.capture(graph, stream, pool, lambda: _chain(x, ops))
+                held.append(torch.cuda.CUDAGraph())
+                cuda_graphs.capture(held[-1], stream, pool, lambda: _chain(x, ops))
                 for _ in range(9):
-                    graph.replay()
+                    held[-1].replay()
                 with cuda_graphs.registry(x.device):
-                    last = graph  # the previous round's graph is released here
+                    del held[:-1]  # the previous round's graph is released here
             rounds_ms.append(1000 * (time.perf_counter() - began))
         stream.synchronize()
-    del last
+    with cuda_graphs.registry(x.device):
+        held.clear()  # the last graph released under the lock too
 
 
 def measure(variant: str, window_s: float, ops: int) -> dict:
