@@ -85,6 +85,7 @@ GIL_WINDOW_S = 0.1  # one `gil` event per this long
 _gc_started = 0.0
 _probe: threading.Thread | None = None
 _allocator_seen: dict[str, int] = {}
+_allocator_lock = threading.Lock()  # both vocoder threads probe: one reading and its deltas at a time
 
 
 def _on_gc(phase: str, info: dict) -> None:
@@ -167,14 +168,15 @@ def allocator_probe(device) -> None:
         return
     import torch  # the timeline itself runs without torch (the tone engine, the bench's parser)
 
-    readings = [(ALLOCATOR_EVENTS, torch.cuda.memory_stats(device))]
-    if hasattr(torch.cuda, "host_memory_stats"):  # torch 2.6 and later
-        readings.append((PINNED_EVENTS, torch.cuda.host_memory_stats()))
-    for events, stats in readings:
-        for name, key in events.items():
-            now = int(stats.get(key, 0))
-            event(name, now - _allocator_seen.get(name, now))
-            _allocator_seen[name] = now
+    with _allocator_lock:  # else a thread's older reading could follow another's newer one: a negative count
+        readings = [(ALLOCATOR_EVENTS, torch.cuda.memory_stats(device))]
+        if hasattr(torch.cuda, "host_memory_stats"):  # torch 2.6 and later
+            readings.append((PINNED_EVENTS, torch.cuda.host_memory_stats()))
+        for events, stats in readings:
+            for name, key in events.items():
+                now = int(stats.get(key, 0))
+                event(name, now - _allocator_seen.get(name, now))
+                _allocator_seen[name] = now
 
 
 def read(lines, start: float, end: float) -> list[tuple[float, str, int]]:
