@@ -39,9 +39,10 @@ from pathlib import Path
 import torch
 
 from bench.provenance import REPO, commit
+from voxbatch.settings import Settings
 
 VARIANTS = ("alone", "eager", "capture")
-SWITCH_INTERVAL_S = 0.001  # the worker's default (settings.gil_switch_interval_ms)
+SWITCH_INTERVAL_S = Settings.model_fields["gil_switch_interval_ms"].default / 1000  # the worker's default
 
 
 def _chain(x: torch.Tensor, n: int) -> None:

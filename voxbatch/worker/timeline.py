@@ -66,6 +66,7 @@ VOCODER_HOST_EVENTS = ("vocode_flow_host_ms", "flow_capture_ms")
 # copy to the host of a size the cache has no block for) and `pinned_alloc_us` (their time).
 ALLOCATOR_EVENTS = {"cuda_malloc": "num_device_alloc", "cuda_free": "num_device_free", "cuda_alloc_retry": "num_alloc_retries"}
 PINNED_EVENTS = {"pinned_alloc": "num_host_alloc", "pinned_alloc_us": "host_alloc_time.total"}
+SUMMED_EVENTS = LLM_HOST_EVENTS + VOCODER_HOST_EVENTS + tuple(ALLOCATOR_EVENTS) + tuple(PINNED_EVENTS)  # totalled per job
 # How long the launch of one tiny kernel held the LLM thread at each placement (count = microseconds),
 # beside `llm_place_cpu_ms`, the thread's CPU time over the placement. Why: placements took 60-210 ms
 # while the GIL was mostly free (bench/results/gpu_h100_s38_torch_gil.json). These readings settled it
@@ -163,7 +164,7 @@ def launch_probe(launch: Callable[[], object]) -> None:
 
 def allocator_probe(device) -> None:
     """ALLOCATOR_EVENTS on `device` (a CUDA device) and PINNED_EVENTS, process-wide counts since the
-    previous call (by any thread); nothing when the timeline is off or the device is not CUDA."""
+    previous call (by any thread); nothing when the timeline is off or the device is not CUDA (or None)."""
     if not log.isEnabledFor(logging.INFO) or getattr(device, "type", None) != "cuda":
         return
     import torch  # the timeline itself runs without torch (the tone engine, the bench's parser)
@@ -227,6 +228,6 @@ def summary(events: list[tuple[float, str, int]]) -> dict[str, float | int | Non
             "vocode_host_share_pct": round(100 * host / wall, 1) if wall else None,
             "vocode_paired_starts": sum(1 for (a, _), (b, _) in zip(starts, starts[1:]) if b - a <= PAIRED_START_S),
             "vocode_tail_batches": [n for t, n in starts if done and t >= done[-1]],
-            **{f"{name}_total": sum(n for _, e, n in events if e == name) for name in LLM_HOST_EVENTS + VOCODER_HOST_EVENTS + tuple(ALLOCATOR_EVENTS) + tuple(PINNED_EVENTS)},
+            **{f"{name}_total": sum(n for _, e, n in events if e == name) for name in SUMMED_EVENTS},
             "llm_launch_us_median": launches[len(launches) // 2] if launches else None,
             "llm_launch_us_max": launches[-1] if launches else None}

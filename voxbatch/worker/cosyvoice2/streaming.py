@@ -284,10 +284,11 @@ class _Vocoder:
         self.draining = 0
         self.closing = False
         self.last_observed = time.perf_counter()
+        flow = getattr(sched.engine, "flow", None)
+        self.flow_device = flow.encoder_proj.weight.device if flow is not None else None  # None: an engine without one
         n = getattr(sched.engine, "vocoder_threads", None)
         if n is None:
-            flow = getattr(sched.engine, "flow", None)
-            on_gpu = flow is not None and flow.encoder_proj.weight.device.type == "cuda"
+            on_gpu = self.flow_device is not None and self.flow_device.type == "cuda"
             n = VOCODER_THREADS if on_gpu else CPU_VOCODER_THREADS
         self.threads = [threading.Thread(target=self._loop, args=(i == 0,), name=f"flow-hift-{i}", daemon=True)
                         for i in range(max(1, n))]
@@ -481,9 +482,7 @@ class _Vocoder:
                     audio_s += len(r.audio) / s.engine.sample_rate
                 s.emit(r)
             timeline.event("vocode_end", len(batch))
-            flow = getattr(s.engine, "flow", None)
-            if flow is not None:
-                timeline.allocator_probe(flow.encoder_proj.weight.device)
+            timeline.allocator_probe(self.flow_device)
             now = time.perf_counter()
             if s.observe is not None:  # wall: since the previous batch was out, or since this one's first row
                 s.observe(len(batch), audio_s, now - max(self.last_observed, started))
