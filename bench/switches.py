@@ -56,6 +56,7 @@ SWITCHES = {
     "vprio": ("voxbatch.worker.cosyvoice2.streaming", "PRIMARY_VOCODER_PRIORITY", int),
     "split": ("voxbatch.worker.cosyvoice2.streaming", "TAIL_SPLIT", _flag),
     "ahead": ("voxbatch.worker.cosyvoice2.streaming", "VOCODER_LOOKAHEAD", _flag),
+    "pipe": ("voxbatch.worker.cosyvoice2.streaming", "VOCODER_PIPELINE", _flag),
     "gelu": ("voxbatch.worker.cosyvoice2.flow_estimator", "GELU_EPILOGUE", _flag),
     "resid": ("voxbatch.worker.cosyvoice2.flow_estimator", "DEFERRED_BIAS", _flag),
     "temb": ("voxbatch.worker.cosyvoice2.flow_estimator", "TIME_EMBEDDING_IN_NORM", _flag),

@@ -726,6 +726,76 @@ def test_failed_capture_first_brings_back_the_eager_first_step_on_gpu(model_dir:
     assert float((out - eager)[valid].abs().max()) <= 1e-4 * scale
 
 
+@pytest.mark.parametrize("warm", [False, True], ids=["first_batch_of_a_thread", "warm"])
+def test_begun_ode_queues_no_step_until_finished_on_cpu(flow: CausalFlow, monkeypatch, warm: bool) -> None:
+    """`start(ahead=True)` (VOCODER_PIPELINE's begin) with the CPU stand-in graph: a warm thread
+    captures before any step and runs none until `finish`, which replays all N (without
+    EULER_CAPTURE_FIRST); a thread's first batch runs its one eager step at the start and replays the
+    rest. Another batch's ODE run between start and finish changes nothing: the mel is the eager one
+    exactly, and a second finish gives the same tensor without running more steps."""
+    inputs = _estimator_inputs([40, 33, 7])
+    _, mask, mu, _, spks, cond = inputs
+    other = _estimator_inputs([25, 12], seed=1)
+    cfm = flow.decoder
+    replays, steps = [], []
+    capture = _eager_graph_capture(replays, [])
+    real_step = ConditionalFlowMatching._step
+
+    with torch.inference_mode():
+        eager = cfm(mu, mask, spks, cond)
+        eager_other = cfm(other[2], other[1], other[4], other[5])
+        monkeypatch.setattr(ConditionalFlowMatching, "_step", lambda self, *a: (steps.append(1), real_step(self, *a)))
+        monkeypatch.setattr(flow_module, "_capturable", lambda x: True)
+        monkeypatch.setattr(flow_module, "STEP_GRAPH_CACHE", False)  # the per-batch graph path
+        monkeypatch.setattr(flow_module._StepGraph, "capture", staticmethod(capture))
+        monkeypatch.setattr(flow_module._StepGraph, "warm", staticmethod(lambda device: warm))
+        monkeypatch.setattr(flow_module, "EULER_CAPTURE_FIRST", False)
+        monkeypatch.setattr(flow_module, "_capture_first_failed", False)
+        pending = cfm.start(mu, mask, spks, cond, ahead=True)
+        assert len(steps) == (0 if warm else 1) and not replays
+        between = cfm(other[2], other[1], other[4], other[5])
+        replays.clear()
+        out = pending.finish()
+        assert len(replays) == flow_module.N_TIMESTEPS - (0 if warm else 1)
+        assert pending.finish() is out and len(replays) == flow_module.N_TIMESTEPS - (0 if warm else 1)
+    assert torch.equal(out, eager)
+    assert torch.equal(between, eager_other)
+
+
+@pytest.mark.gpu
+def test_begun_ode_beside_another_batch_equals_eager_on_gpu(model_dir: Path, monkeypatch) -> None:
+    """VOCODER_PIPELINE's order on one stream, graphs on: batch A's steps queued, batch B begun (its step
+    graph captured before any step, into the pool A's graph shares, A's graph released with its replays
+    still queued), B's steps queued behind A's: each mel is its eager mel on every valid frame (max abs
+    <= 1e-4 of its scale, as the graph test above); B's capture overwriting A's memory, or a released
+    graph's replays not running, would miss by a step's size."""
+    cfm, inputs, valid = _full_cfm_on_gpu(model_dir)
+    g = torch.Generator().manual_seed(1)
+    mu_b = inputs[0][:3, :, :200] + 0.5 * torch.randn(3, 80, 200, generator=g).to(inputs[0])
+    inputs_b = (mu_b, inputs[1][:3, :, :200], inputs[2][:3], inputs[3][:3, :, :200])
+    valid_b = valid[:3, :, :200]
+    monkeypatch.setattr(flow_module, "STEP_GRAPH_CACHE", False)  # the per-batch graph path
+    monkeypatch.setattr(flow_module, "_graphs_failed", False)
+    monkeypatch.setattr(flow_module, "_capture_first_failed", False)
+    monkeypatch.setattr(flow_module, "EULER_CAPTURE_FIRST", False)
+    monkeypatch.setattr(flow_module, "_per_thread", threading.local())  # this thread starts cold
+    with torch.inference_mode(), torch.cuda.stream(torch.cuda.Stream()):
+        monkeypatch.setattr(flow_module, "EULER_STEP_GRAPHS", False)
+        eager_a, eager_b = cfm(*inputs), cfm(*inputs_b)
+        monkeypatch.setattr(flow_module, "EULER_STEP_GRAPHS", True)
+        cfm(*inputs_b)  # warms this thread
+        a = cfm.start(*inputs, ahead=True)
+        out_a = a.finish()  # A's steps queued
+        b = cfm.start(*inputs_b, ahead=True)  # B begun while they are queued
+        out_b = b.finish()
+        torch.cuda.synchronize()
+    assert not flow_module._graphs_failed and not flow_module._capture_first_failed
+    for out, eager, ok in ((out_a, eager_a, valid), (out_b, eager_b, valid_b)):
+        assert torch.isfinite(out).all()
+        scale = float(eager[ok].abs().max())
+        assert float((out - eager)[ok].abs().max()) <= 1e-4 * scale
+
+
 @pytest.mark.gpu
 def test_euler_step_graph_failure_falls_back_on_gpu(model_dir: Path, monkeypatch) -> None:
     """A capture that fails is logged once, graphs go off for the process, and the batch still gets

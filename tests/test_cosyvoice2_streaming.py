@@ -90,12 +90,14 @@ def mixed(engine, n: int, start: int = 0) -> list[SynthesisRequest]:
             for i in range(n)]
 
 
-@pytest.fixture(params=[False, True], ids=["one_batch", "lookahead"])
-def lookahead(request, monkeypatch) -> bool:
-    """The Pipeline contract holds with a vocoder thread's batch of look-ahead (VOCODER_LOOKAHEAD) too."""
+@pytest.fixture(params=["one_batch", "lookahead", "pipeline"])
+def lookahead(request, monkeypatch) -> str:
+    """The Pipeline contract holds with a vocoder thread's batch of look-ahead (VOCODER_LOOKAHEAD) and
+    with its next batch begun while the current one's steps run (VOCODER_PIPELINE) too."""
     from voxbatch.worker.cosyvoice2 import streaming
 
-    monkeypatch.setattr(streaming, "VOCODER_LOOKAHEAD", request.param)
+    monkeypatch.setattr(streaming, "VOCODER_LOOKAHEAD", request.param == "lookahead")
+    monkeypatch.setattr(streaming, "VOCODER_PIPELINE", request.param == "pipeline")
     return request.param
 
 
@@ -263,6 +265,78 @@ def test_lookahead_queues_the_next_batch_before_waiting_for_the_last(engine, mon
         assert res.error is None, res.error
         np.testing.assert_allclose(res.audio, alone(engine, r), rtol=0, atol=BATCH_ATOL, err_msg=r.text)
     assert most[0] == (2 if ahead else 1)
+
+
+def test_pipeline_begins_the_next_batch_while_the_current_ones_steps_run(engine, monkeypatch):
+    """VOCODER_PIPELINE, one vocoder thread: some batch is begun (encoder, step graph) after the current
+    batch's steps are queued and before its HiFT is, its own steps are queued before the current batch's
+    audio is waited for, and every batch's steps are queued once, before its HiFT. Every segment still
+    sounds as alone; a batch whose begin fails and one whose audio fails to arrive are rendered again row
+    by row, so only the row that fails again fails."""
+    from voxbatch.worker.cosyvoice2 import engine as engine_mod
+    from voxbatch.worker.cosyvoice2 import flow as flow_mod
+    from voxbatch.worker.cosyvoice2 import streaming
+
+    monkeypatch.setattr(streaming, "CPU_VOCODER_THREADS", 1)
+    monkeypatch.setattr(streaming, "VOCODER_PIPELINE", True)
+    monkeypatch.setattr(streaming, "IDLE_BATCH_DIV", 1)
+    events: list[tuple[str, int]] = []  # (what, id of the batch's first item)
+    broken: list[str] = []
+    real_begin, real_launch = CosyVoice2Engine.vocode_begin, CosyVoice2Engine.vocode_launch
+    real_finish, real_results = flow_mod.PendingMel.finish, engine_mod.VocodedBatch.results
+
+    def vocode_begin(self, items):
+        if len(items) > 1 and "begin" not in broken:  # the first multi-row batch cannot begin
+            broken.append("begin")
+            raise RuntimeError("flow: out of memory (simulated)")
+        pending = real_begin(self, items)
+        pending.key = id(items[0])
+        events.append(("begin", pending.key))
+        return pending
+
+    def finish(self):
+        if getattr(self, "key", None) is not None and not getattr(self, "queued", False):  # begun by the pipeline
+            self.queued = True
+            events.append(("steps", self.key))
+        return real_finish(self)
+
+    def vocode_launch(self, items, queued=None, begun=None):
+        out = real_launch(self, items, queued, begun)
+        out.key = None
+        if begun is not None:  # not a row-by-row retry (`engine.vocode`)
+            events.append(("hift", id(items[0])))
+            out.key = id(items[0])
+        return out
+
+    def results(self):
+        if self.key is None:
+            return real_results(self)
+        events.append(("wait", self.key))
+        if len(self.items) > 1 and "audio" not in broken:  # the next multi-row batch's audio never arrives
+            broken.append("audio")
+            raise RuntimeError("CUDA error: unspecified launch failure (simulated)")
+        return real_results(self)
+
+    monkeypatch.setattr(CosyVoice2Engine, "vocode_begin", vocode_begin)
+    monkeypatch.setattr(CosyVoice2Engine, "vocode_launch", vocode_launch)
+    monkeypatch.setattr(flow_mod.PendingMel, "finish", finish)
+    monkeypatch.setattr(engine_mod.VocodedBatch, "results", results)
+    batch = mixed(engine, 12)
+    rec = serve_to_the_end(engine, batch, monkeypatch)
+    assert broken == ["begin", "audio"], broken
+    for r in batch:
+        res = rec.results[r.segment_id]
+        assert res.error is None, res.error
+        np.testing.assert_allclose(res.audio, alone(engine, r), rtol=0, atol=BATCH_ATOL, err_msg=r.text)
+    at = {e: i for i, e in enumerate(events)}
+    for what, key in events:
+        if what == "hift":
+            assert at[("steps", key)] < at[("hift", key)], "a batch's HiFT before its steps"
+            assert events.count(("steps", key)) == 1
+    overlapped = [key for what, key in events if what == "begin" and any(
+        at[("steps", cur)] < at[("begin", key)] < at[("hift", cur)] < at[("steps", key)] < at[("wait", cur)]
+        for w, cur in events if w == "hift" and cur != key)]
+    assert overlapped, events
 
 
 def test_a_lost_device_fails_the_batch_without_retrying_row_by_row(engine, monkeypatch):

@@ -38,7 +38,7 @@ from voxbatch.reuse import VOICE_TTL_S
 from voxbatch.settings import Settings
 from voxbatch.voice import VoiceProfile
 from voxbatch.worker import timeline
-from voxbatch.worker.cosyvoice2.flow import CausalFlow, MelBatch
+from voxbatch.worker.cosyvoice2.flow import CausalFlow, MelBatch, PendingMel
 from voxbatch.worker.cosyvoice2.forced_lengths import forced_speech_tokens
 from voxbatch.worker.cosyvoice2.h2d import to_device
 from voxbatch.worker.cosyvoice2.hift import HiFTGenerator
@@ -565,9 +565,21 @@ class CosyVoice2Engine(Engine):
         called once all of the batch's GPU work is queued, before the copy to the host waits for it."""
         yield from self.vocode_launch(items, queued).results()
 
-    def vocode_launch(self, items: list[_Item], queued: Callable[[], None] | None = None) -> VocodedBatch:
+    def vocode_begin(self, items: list[_Item]) -> PendingMel:
+        """`vocode_launch`'s flow up to the ODE's steps (the encoder queued, the step graph captured);
+        `finish()` on it queues the steps, and `vocode_launch(items, begun=it)` the rest. A vocoder
+        thread begins its next batch here while its current batch's steps run (VOCODER_PIPELINE)."""
+        started = time.perf_counter()
+        with deterministic_cudnn():
+            pending = self.mel_batch([item.tokens or [] for item in items], [item.voice for item in items], ahead=True)
+        timeline.event("vocode_begin_ms", round(1000 * (time.perf_counter() - started)))
+        return pending
+
+    def vocode_launch(self, items: list[_Item], queued: Callable[[], None] | None = None,
+                      begun: PendingMel | None = None) -> VocodedBatch:
         """`vocode` up to the copy to the host: every GPU call of the batch queued on the current
-        stream, nothing waited for; the returned batch's `results()` waits."""
+        stream, nothing waited for; the returned batch's `results()` waits. `begun`: the batch's
+        `vocode_begin`, its steps queued or not yet."""
         started = time.perf_counter()
         then = queued
 
@@ -579,7 +591,10 @@ class CosyVoice2Engine(Engine):
         speeds = [item.request.params.speed for item in items]
         seeds = [item.request.seed for item in items]
         with deterministic_cudnn():
-            batch = self.mel_batch([item.tokens or [] for item in items], [item.voice for item in items])
+            if begun is None:
+                batch = self.mel_batch([item.tokens or [] for item in items], [item.voice for item in items])
+            else:
+                batch = begun.finish()
             timeline.event("vocode_flow_host_ms", round(1000 * (time.perf_counter() - started)))  # the flow's part queued
             if GATHER_TO_HIFT and all(s == 1.0 for s in speeds):  # the flow's batch to HiFT, realigned in one gather
                 mel, mel_lens = batch.left_aligned(HIFT_FRAME_QUANTUM, self.hift.conv_pre.weight.device)
@@ -592,8 +607,9 @@ class CosyVoice2Engine(Engine):
         """One flow batch: B token sequences (each with its voice) -> B mels (80, T_mel_i), on the flow device."""
         return self.mel_batch(tokens, voices).rows()
 
-    def mel_batch(self, tokens: list[list[int]], voices: list[PreparedVoice]) -> MelBatch:
-        """`mels` as the flow leaves them: one padded batch (B, 80, T) with each row's frames."""
+    def mel_batch(self, tokens: list[list[int]], voices: list[PreparedVoice], ahead: bool = False) -> MelBatch | PendingMel:
+        """`mels` as the flow leaves them: one padded batch (B, 80, T) with each row's frames (`ahead`:
+        up to the ODE's steps, `CausalFlow.inference_batch`)."""
         flow_dev = self.flow.encoder_proj.weight.device
         tok_lens = [len(t) for t in tokens]
         tok = np.zeros((len(tokens), max(tok_lens, default=0)), dtype=np.int64)  # (B, T_tok), built without torch calls
@@ -604,7 +620,7 @@ class CosyVoice2Engine(Engine):
         prompt_tok, prompt_mel, embedding = _voice_batch(voices)  # (B, T_p), (B, T_pm, 80), (B, 192)
         with torch.inference_mode():  # lengths as host lists: the flow call waits on nothing queued on the GPU
             return self.flow.inference_batch(to_device(tok, torch.long, flow_dev), tok_lens, prompt_tok, p_lens,
-                                             prompt_mel, pm_lens, embedding)
+                                             prompt_mel, pm_lens, embedding, ahead=ahead)
 
     def waves(self, mels: list[torch.Tensor], speeds: list[float], seeds: list[int],
               queued: Callable[[], None] | None = None) -> list[np.ndarray]:

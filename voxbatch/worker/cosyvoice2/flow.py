@@ -29,7 +29,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -170,6 +170,24 @@ def euler_schedule(t_span: torch.Tensor) -> tuple[list[torch.Tensor], list[torch
     return times, steps
 
 
+class PendingOde:
+    """An ODE begun (`ConditionalFlowMatching.start`): `finish()` queues its steps, once, and gives the mel."""
+
+    def __init__(self, rest: Callable[[], torch.Tensor]):
+        self._rest: Callable[[], torch.Tensor] | None = rest
+        self._mel: torch.Tensor | None = None
+        # The steps run under the grad modes the ODE began in (the engine begins it in inference mode).
+        self._modes = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
+
+    def finish(self) -> torch.Tensor:
+        if self._rest is not None:
+            rest, self._rest = self._rest, None
+            inference, grad = self._modes
+            with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+                self._mel = rest()
+        return self._mel
+
+
 class ConditionalFlowMatching(nn.Module):
     """Euler solver with classifier-free guidance around the U-Net estimator."""
 
@@ -189,6 +207,26 @@ class ConditionalFlowMatching(nn.Module):
         streaming: bool = False,
     ) -> torch.Tensor:
         """mu, cond (B, 80, T_mel); mask (B, 1, T_mel); spks (B, 80) -> mel (B, 80, T_mel) fp32."""
+        return self.start(mu, mask, spks, cond, n_steps, streaming).finish()
+
+    def start(
+        self,
+        mu: torch.Tensor,
+        mask: torch.Tensor,
+        spks: torch.Tensor,
+        cond: torch.Tensor,
+        n_steps: int = N_TIMESTEPS,
+        streaming: bool = False,
+        ahead: bool = False,
+    ) -> PendingOde:
+        """`forward` up to its step graph: the ODE's state made and, on CUDA, its step captured; the
+        returned `PendingOde.finish()` queues the steps and gives the mel.
+
+        `ahead`: the caller queues other work on this stream before `finish` (a vocoder thread begins
+        its next batch while its current batch's steps run, streaming.VOCODER_PIPELINE). A warm thread
+        then captures the step before running any of it, so that starting queues no step: ~1,250 eager
+        launches behind a full launch queue would hold the thread until the GPU had nearly run the work
+        ahead of them, and the capture would again come where nothing of this thread is queued."""
         B, C, T = mu.shape
         cached = STEP_GRAPH_CACHE and B <= GRAPH_CACHE_MAX_ROWS and not streaming and n_steps > 1 and _capturable(mu)
         T_out, T = T, (-(-T // GRAPH_FRAME_QUANTUM) * GRAPH_FRAME_QUANTUM if cached else T)
@@ -209,22 +247,31 @@ class ConditionalFlowMatching(nn.Module):
         times, steps = euler_schedule(t_span)
         branches = (mask_in, mu_in, spks_in, cond_in)
         if cached:
-            return _CachedStep.run(self, x, branches, times, steps)[:B_out, :, :T_out]
+            return PendingOde(lambda: _CachedStep.run(self, x, branches, times, steps)[:B_out, :, :T_out])
         x = x.clone()  # the ODE state, updated in place: (B, 80, T) fp32
-        graph = None
-        if EULER_CAPTURE_FIRST and not _capture_first_failed and n_steps > 1 and _capturable(x) and _StepGraph.warm(x.device):
+        graph, first = None, 0
+        began = time.perf_counter()
+        if ((EULER_CAPTURE_FIRST or ahead) and not _capture_first_failed and n_steps > 1 and _capturable(x)
+                and _StepGraph.warm(x.device)):
             graph = _StepGraph.capture(self, x, times[0], steps[0], branches, streaming, first=True)
-        for k in range(n_steps):
-            if graph is not None:
-                graph.replay(times[k], steps[k])
-                continue
-            self._step(x, times[k], steps[k], branches, streaming)
-            if k == 0 and n_steps > 2 and _capturable(x):
-                began = time.perf_counter()
-                graph = _StepGraph.capture(self, x, times[k], steps[k], branches, streaming)
-                timeline.event("flow_capture_ms", round(1000 * (time.perf_counter() - began)))
-                timeline.event("flow_graph_capture", B)
-        return x[:, :, :T_out]
+        if graph is None and n_steps > 2 and _capturable(x):
+            self._step(x, times[0], steps[0], branches, streaming)  # builds lazy kernels, plans and workspaces
+            first = 1
+            began = time.perf_counter()
+            graph = _StepGraph.capture(self, x, times[0], steps[0], branches, streaming)
+        if graph is not None:
+            timeline.event("flow_capture_ms", round(1000 * (time.perf_counter() - began)))
+            timeline.event("flow_graph_capture", B)
+
+        def rest() -> torch.Tensor:
+            for k in range(first, n_steps):
+                if graph is not None:
+                    graph.replay(times[k], steps[k])
+                else:
+                    self._step(x, times[k], steps[k], branches, streaming)
+            return x[:, :, :T_out]
+
+        return PendingOde(rest)
 
     def _step(self, x: torch.Tensor, t: torch.Tensor, dt: torch.Tensor, branches: tuple, streaming: bool) -> None:
         """One Euler step in place: x += dt * ((1 + r) v(x | mu, spks, cond) - r v(x | 0, 0, 0)), both
@@ -409,7 +456,8 @@ class CausalFlow(nn.Module):
         embedding: torch.Tensor,
         streaming: bool = False,
         finalize: bool = True,
-    ) -> MelBatch:
+        ahead: bool = False,
+    ) -> MelBatch | PendingMel:
         """B segments -> their mels as one padded batch (MelBatch: fp32, prompt frames still in it).
 
         tokens (B, T_tok), prompt_tokens (B, T_p), prompt_feat (B, T_pm, 80): padded, with lengths
@@ -419,6 +467,9 @@ class CausalFlow(nn.Module):
         Lengths given as host lists (the engine's way) keep the call free of host syncs: the widths,
         checks and each row's frames need them on the host, and reading them back from the device
         waits for everything queued before (at the end, the whole decoder).
+
+        `ahead=True` stops before the ODE's steps (`ConditionalFlowMatching.start`'s `ahead`): a
+        PendingMel, whose `finish()` queues them and gives the MelBatch.
         """
         device = self.encoder_proj.weight.device
         B = tokens.shape[0]
@@ -442,8 +493,20 @@ class CausalFlow(nn.Module):
         cond = (feat * prompt_ok[..., None].to(feat.dtype)).transpose(1, 2)  # (B, 80, T)
         mask = frame_ok[:, None].to(self.dtype)  # (B, 1, T)
 
-        mel = self.decoder(mu, mask, self.speaker(embedding.to(device)), cond, streaming=streaming)
-        return MelBatch(mel, pf_host, mel_host)
+        ode = self.decoder.start(mu, mask, self.speaker(embedding.to(device)), cond, streaming=streaming, ahead=ahead)
+        pending = PendingMel(ode, pf_host, mel_host)
+        return pending if ahead else pending.finish()
+
+
+class PendingMel:
+    """A flow batch up to its ODE's steps (`CausalFlow.inference_batch(ahead=True)`)."""
+
+    def __init__(self, ode: PendingOde, starts: list[int], ends: list[int]):
+        self.ode, self.starts, self.ends = ode, starts, ends
+
+    def finish(self) -> MelBatch:
+        """Queue the ODE's steps (once) -> the batch's MelBatch."""
+        return MelBatch(self.ode.finish(), self.starts, self.ends)
 
 
 @dataclass(frozen=True)

@@ -133,6 +133,25 @@ PRIMARY_VOCODER_PRIORITY: int | None = None
 # LLM's last row with it, 82.2-91.0% without): a thread's stream running dry at its turnover is not
 # what they are. Bench switch `ahead`.
 VOCODER_LOOKAHEAD = False
+# A vocoder thread begins its next batch while its current batch's Euler steps run: per thread the GPU
+# work goes  steps(N) | begin(N+1) HiFT(N) steps(N+1) | wait(N), emit(N) | begin(N+2) HiFT(N+1) ...
+# where begin is the flow's encoder queued and its step graph captured before any step runs (a warm
+# thread, flow.ConditionalFlowMatching.start's `ahead`), and steps are the ten graph replays: ten
+# launches that queue ~10 flow steps of GPU time (~85 ms each for 64 rows on an H100). Why it might
+# pay: a batch's capture (44-195 ms of host time, one thread's after the other's under the graph lock)
+# and its copy, emits and choice of the next batch came where this thread had nothing queued; with the
+# two threads' batches ending together (equal streams advance kernel for kernel), each such turnover in
+# the vocoder-only tail was a GPU dip (89%, 92%, the last 22-41% busy,
+# bench/results/gpu_h100_s43a_worker.json). Here every capture is taken while the thread's own queue
+# holds a batch's steps, and the next batch's steps are queued before the wait for the last one's audio,
+# so the thread's stream does not run dry at a turnover. Unlike VOCODER_LOOKAHEAD (the next batch
+# queued whole after HiFT's launches, which return only once the GPU has nearly run them: its
+# captures still came at a shallow queue), the capture moves to where the queue is deep. The next
+# batch is chosen by the secondary thread's rule (full buckets, old ones, all once the LLM is nearly
+# done); with none, the thread finishes its batch first and then chooses as before. Memory: the next
+# batch's encoder output, ODE state and graph beside the current batch's HiFT. Not measured yet: off
+# until an A/B on the GPU says otherwise. Bench switch `pipe`; it overrides VOCODER_LOOKAHEAD.
+VOCODER_PIPELINE = False
 LONGEST_FIRST = True  # refill LLM rows with the longest waiting texts first (shorter tail at the end of the work)
 MAX_WAIT_S = 10.0  # ... unless a request has waited this long: then it goes first, whatever its length
 
@@ -429,6 +448,9 @@ class _Vocoder:
             for dev in {engine.flow.encoder_proj.weight.device, engine.hift.conv_pre.weight.device}:
                 if dev.type == "cuda":
                     stack.enter_context(torch.cuda.stream(torch.cuda.Stream(dev, priority=priority)))
+            if VOCODER_PIPELINE:
+                self._pipelined(primary)
+                return
             unfinished: list[tuple] = []  # (batch, started, began, launched), oldest first: queued, not yet emitted
             try:
                 while True:
@@ -444,15 +466,68 @@ class _Vocoder:
                 for batch, *_ in unfinished:  # the loop died (e.g. `emit` raised): nobody will emit these
                     self._done(batch)
 
-    def _launch(self, batch: list, started: float) -> tuple:
-        """Queue a batch's GPU work (`engine.vocode_launch`): (batch, started, began, the queued batch or
-        the exception it raised)."""
+    def _pipelined(self, primary: bool) -> None:
+        """VOCODER_PIPELINE's loop, on this thread's stream: begin the next batch while the current
+        one's steps run, queue its steps behind the current one's HiFT, then wait for and emit the
+        current one."""
+        current = None  # (batch, started, began, begun or the exception it raised): steps queued
+        following = None  # the same, begun and its steps not queued yet
+        try:
+            while True:
+                if current is None:
+                    nxt = self._next(primary)
+                    if nxt is None:
+                        break  # closing, and nothing left
+                    current = self._steps(self._begin(*nxt))
+                nxt = self._next(False, wait=False)  # busy: the secondary's rule
+                following = self._begin(*nxt) if nxt is not None else None
+                batch, started, began, begun = current
+                launched = self._launch(batch, started, began, begun)
+                current = None
+                if following is not None:
+                    current, following = self._steps(following), None
+                self._finish(*launched)  # its rows stop being pending there, even if it raises
+        finally:
+            for entry in (current, following):  # the loop died (e.g. `emit` raised): nobody will emit these
+                if entry is not None:
+                    self._done(entry[0])
+
+    def _begin(self, batch: list, started: float) -> tuple:
+        """`engine.vocode_begin` on a batch: (batch, started, began, the begun batch or the exception it
+        raised)."""
         timeline.event("vocode_start", len(batch))
         began = time.perf_counter()
+        try:
+            begun = self.s.engine.vocode_begin(batch)
+        except Exception as e:  # noqa: BLE001 - retried row by row in _finish
+            begun = e
+        return batch, started, began, begun
+
+    def _steps(self, entry: tuple) -> tuple:
+        """Queue a begun batch's ODE steps; the entry with the exception instead where that raised."""
+        batch, started, began, begun = entry
+        if not isinstance(begun, Exception):
+            try:
+                begun.finish()
+            except Exception as e:  # noqa: BLE001 - retried row by row in _finish
+                begun = e
+        return batch, started, began, begun
+
+    def _launch(self, batch: list, started: float, began: float | None = None, begun=None) -> tuple:
+        """Queue a batch's GPU work (`engine.vocode_launch`; after `_begin`, its `begun` flow): (batch,
+        started, began, the queued batch or the exception it raised)."""
+        if began is None:
+            timeline.event("vocode_start", len(batch))
+            began = time.perf_counter()
+        if isinstance(begun, Exception):
+            return batch, started, began, begun
         gate = _LaunchGate(self.launch if LAUNCH_LOCK and len(self.threads) > 1 else None)
         try:
             with gate:
-                launched = self.s.engine.vocode_launch(batch, queued=gate.release)
+                if begun is None:
+                    launched = self.s.engine.vocode_launch(batch, queued=gate.release)
+                else:
+                    launched = self.s.engine.vocode_launch(batch, queued=gate.release, begun=begun)
         except Exception as e:  # noqa: BLE001 - retried row by row in _finish
             launched = e
         return batch, started, began, launched
