@@ -151,10 +151,10 @@ def test_llm_thread_host_time_is_summed_and_recorded_in_process():
 def test_vocoder_phases_and_allocator_calls_are_summed_and_the_probe_is_silent_off_cuda():
     """The summary totals the vocoder's host phases and each allocator event over the window; on a CPU
     device `allocator_probe` writes nothing, so a CPU worker's log holds no allocator lines."""
-    events = [(0.1, "flow_capture_ms", 40), (0.2, "vocode_flow_host_ms", 120), (0.2, "cuda_malloc", 3),
+    events = [(0.1, "flow_capture_ms", 40), (0.1, "vocode_begin_ms", 70), (0.2, "vocode_flow_host_ms", 120), (0.2, "cuda_malloc", 3),
               (0.2, "cuda_free", 0), (0.8, "flow_capture_ms", 55), (0.9, "cuda_malloc", 2), (0.9, "cuda_alloc_retry", 1)]
     s = timeline.summary(events)
-    assert (s["flow_capture_ms_total"], s["vocode_flow_host_ms_total"]) == (95, 120)
+    assert (s["flow_capture_ms_total"], s["vocode_flow_host_ms_total"], s["vocode_begin_ms_total"]) == (95, 120, 70)
     assert (s["cuda_malloc_total"], s["cuda_free_total"], s["cuda_alloc_retry_total"]) == (5, 0, 1)
     assert s["pinned_alloc_total"] == 0
     assert timeline.summary([])["cuda_malloc_total"] == 0

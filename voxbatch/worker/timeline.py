@@ -53,8 +53,9 @@ LLM_HOST_EVENTS = ("llm_admit_ms", "llm_place_ms", "llm_place_cpu_ms", "llm_pref
 # A flow/HiFT batch's host phases, ms (summed per job): `vocode_flow_host_ms`, from the batch's start
 # until the flow's GPU work is all queued (HiFT's host work follows, to `vocode_host_ms`), and
 # `flow_capture_ms`, the Euler step's graph capture in it; set beside the GPU's dips, they say which
-# phase each vocoder thread was in.
-VOCODER_HOST_EVENTS = ("vocode_flow_host_ms", "flow_capture_ms")
+# phase each vocoder thread was in. With streaming.VOCODER_PIPELINE, `vocode_begin_ms` is the begun
+# part (encoder and capture, while the thread's previous batch runs) and `vocode_flow_host_ms` the rest.
+VOCODER_HOST_EVENTS = ("vocode_flow_host_ms", "flow_capture_ms", "vocode_begin_ms")
 # The CUDA caching allocator's calls into the driver since the previous reading, one event each per
 # flow/HiFT batch (`allocator_probe`): `cuda_malloc` (cudaMalloc calls), `cuda_free` (cudaFree calls,
 # each a wait for the whole device) and `cuda_alloc_retry` (an allocation that failed, freed the
