@@ -288,11 +288,11 @@ def _capturable(x: torch.Tensor) -> bool:
 
 
 def _slot(device: torch.device) -> dict:
-    """This thread's capture stream, memory pool, last per-batch graph and cached graphs on `device`."""
+    """This thread's capture stream, memory pool, last two per-batch graphs and cached graphs on `device`."""
     slot = getattr(_per_thread, str(device), None)
     if slot is None:
         slot = {"stream": torch.cuda.Stream(device), "pool": torch.cuda.graph_pool_handle(), "last": None,
-                "cache": OrderedDict()}
+                "prev": None, "cache": OrderedDict()}
         setattr(_per_thread, str(device), slot)
     return slot
 
@@ -332,8 +332,11 @@ class _StepGraph:
             _graphs_failed = True
             return None
         if keep:
-            with cuda_graphs.registry(x.device):  # releasing the previous graph changes torch's set of graphs
-                slot["last"] = graph  # the pool's previous graph (a finished batch's) is released only now
+            with cuda_graphs.registry(x.device):  # releasing a graph changes torch's set of graphs
+                # The graph before the previous one is released only now: a finished batch's. The previous
+                # one's replays may still be queued (VOCODER_PIPELINE begins a batch while the last one's
+                # steps run); its thread has waited for the audio of the one before.
+                slot["prev"], slot["last"] = slot["last"], graph
         return cls(graph, t_in, dt_in)
 
     def replay(self, t: torch.Tensor, dt: torch.Tensor) -> None:
