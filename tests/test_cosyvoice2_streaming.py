@@ -237,6 +237,7 @@ def test_lookahead_queues_the_next_batch_before_waiting_for_the_last(engine, mon
     from voxbatch.worker.cosyvoice2 import streaming
 
     monkeypatch.setattr(streaming, "CPU_VOCODER_THREADS", 1)
+    monkeypatch.setattr(streaming, "VOCODER_PIPELINE", False)  # the loop VOCODER_LOOKAHEAD changes
     monkeypatch.setattr(streaming, "VOCODER_LOOKAHEAD", ahead)
     monkeypatch.setattr(streaming, "IDLE_BATCH_DIV", 1)
     outstanding, most, failed = [0], [0], []
@@ -578,6 +579,7 @@ def test_launch_lock_lets_one_vocoder_thread_queue_at_a_time(engine, monkeypatch
     from voxbatch.worker.cosyvoice2 import streaming
 
     monkeypatch.setattr(streaming, "CPU_VOCODER_THREADS", 2)
+    monkeypatch.setattr(streaming, "VOCODER_PIPELINE", False)  # the loop LAUNCH_LOCK was measured in
     monkeypatch.setattr(streaming, "LAUNCH_LOCK", lock)
     monkeypatch.setattr(streaming, "IDLE_BATCH_DIV", 1)
     real = CosyVoice2Engine.vocode_launch
@@ -673,9 +675,9 @@ def test_vocoder_threads_render_on_streams_of_their_priority_on_gpu(tiny_model_d
     real = CosyVoice2Engine.vocode_launch
     seen: dict[str, set[int]] = {}
 
-    def vocode_launch(self, items, queued=None):
+    def vocode_launch(self, items, queued=None, begun=None):
         seen.setdefault(threading.current_thread().name, set()).add(torch.cuda.current_stream().priority)
-        return real(self, items, queued=queued)
+        return real(self, items, queued=queued, begun=begun)
 
     monkeypatch.setattr(CosyVoice2Engine, "vocode_launch", vocode_launch)
     try:

@@ -149,9 +149,14 @@ VOCODER_LOOKAHEAD = False
 # captures still came at a shallow queue), the capture moves to where the queue is deep. The next
 # batch is chosen by the secondary thread's rule (full buckets, old ones, all once the LLM is nearly
 # done); with none, the thread finishes its batch first and then chooses as before. Memory: the next
-# batch's encoder output, ODE state and graph beside the current batch's HiFT. Not measured yet: off
-# until an A/B on the GPU says otherwise. Bench switch `pipe`; it overrides VOCODER_LOOKAHEAD.
-VOCODER_PIPELINE = False
+# batch's encoder output, ODE state and graph beside the current batch's HiFT. On: faster and the GPU
+# busier in both of two runs. The worker on an H100, tasks of 16: A B1 B2 A 328.6x with vs 325.9x /
+# 325.2x without (B/A 1.009), GPU busy 90.1% vs 88.5 / 87.6%, the vocoder-only tail 92.5% vs 87.1 /
+# 85.5% (bench/results/gpu_h100_s44a_worker.json); A B A 333.5x vs 321.8x / 318.0x (1.043), busy 90.5%
+# vs 87.7 / 88.2%, tail 91.5% vs 85.2 / 87.7% (gpu_h100_s44b_worker.json). The captures took longer
+# (2.5-3.0 s a job summed, against 1.5-2.3 s), hidden behind queued steps. Bench switch `pipe`; it
+# overrides VOCODER_LOOKAHEAD.
+VOCODER_PIPELINE = True
 LONGEST_FIRST = True  # refill LLM rows with the longest waiting texts first (shorter tail at the end of the work)
 MAX_WAIT_S = 10.0  # ... unless a request has waited this long: then it goes first, whatever its length
 
