@@ -13,7 +13,10 @@ little left to fill it, or when its oldest row has waited `FLUSH_AFTER_S`. Each 
 a GPU, `VOCODER_THREADS`) runs on its own CUDA stream and the LLM thread on a higher-priority one, so
 the decode step's small kernels take SMs as flow/HiFT blocks retire instead of queueing behind them,
 and one flow/HiFT batch's host work and small kernels overlap another's; a batch is queued whole with
-no host sync until HiFT's output comes to the host through pinned memory. Each of these choices was
+no host sync until HiFT's output comes to the host through pinned memory. Each thread begins its next
+batch (encoder, step-graph capture) while its current batch's Euler steps run, and queues that batch's
+steps before it waits for the current one's audio (VOCODER_PIPELINE), so its stream never runs dry at a
+turnover. Each of these choices was
 measured against its alternative in one H200 run (BENCHMARKS.md, "This round's changes").
 
 The Pipeline's contract (`Engine.serve`) holds: `admit` is called on what is taken from the intake
