@@ -617,6 +617,16 @@ def _eager_graph_capture(replays: list, captures: list):
     return capture
 
 
+def _stand_in_graphs(monkeypatch, capture, warm: bool, capture_first: bool) -> None:
+    """The per-batch step-graph path on CPU, captured by `capture` (a stand-in), the thread `warm` or not."""
+    monkeypatch.setattr(flow_module, "_capturable", lambda x: True)
+    monkeypatch.setattr(flow_module, "STEP_GRAPH_CACHE", False)
+    monkeypatch.setattr(flow_module._StepGraph, "capture", staticmethod(capture))
+    monkeypatch.setattr(flow_module._StepGraph, "warm", staticmethod(lambda device: warm))
+    monkeypatch.setattr(flow_module, "EULER_CAPTURE_FIRST", capture_first)
+    monkeypatch.setattr(flow_module, "_capture_first_failed", False)
+
+
 @pytest.mark.parametrize("warm", [False, True], ids=["first_batch_of_a_thread", "capture_first"])
 def test_euler_replay_plumbing_on_cpu(flow: CausalFlow, monkeypatch, warm: bool) -> None:
     """The ODE loop's graph path on CPU, with a stand-in graph that runs the captured step eagerly on
@@ -631,15 +641,19 @@ def test_euler_replay_plumbing_on_cpu(flow: CausalFlow, monkeypatch, warm: bool)
 
     with torch.inference_mode():
         eager = cfm(mu, mask, spks, cond)
-        monkeypatch.setattr(flow_module, "_capturable", lambda x: True)
-        monkeypatch.setattr(flow_module, "STEP_GRAPH_CACHE", False)  # the per-batch graph path
-        monkeypatch.setattr(flow_module._StepGraph, "capture", staticmethod(capture))
-        monkeypatch.setattr(flow_module._StepGraph, "warm", staticmethod(lambda device: warm))
-        monkeypatch.setattr(flow_module, "EULER_CAPTURE_FIRST", True)
-        monkeypatch.setattr(flow_module, "_capture_first_failed", False)
+        _stand_in_graphs(monkeypatch, capture, warm, capture_first=True)
         replayed = cfm(mu, mask, spks, cond)
     assert len(replays) == flow_module.N_TIMESTEPS - (0 if warm else 1)
     assert torch.equal(replayed, eager)
+
+
+def _per_batch_graphs(monkeypatch, capture_first: bool) -> None:
+    """The per-batch step-graph path (no cache), graphs and capture-first not failed, this thread cold."""
+    monkeypatch.setattr(flow_module, "STEP_GRAPH_CACHE", False)
+    monkeypatch.setattr(flow_module, "_graphs_failed", False)
+    monkeypatch.setattr(flow_module, "_capture_first_failed", False)
+    monkeypatch.setattr(flow_module, "EULER_CAPTURE_FIRST", capture_first)
+    monkeypatch.setattr(flow_module, "_per_thread", threading.local())
 
 
 def _full_cfm_on_gpu(model_dir: Path) -> tuple[ConditionalFlowMatching, tuple[torch.Tensor, ...], torch.Tensor]:
@@ -668,11 +682,7 @@ def test_euler_step_graphs_equal_eager_on_gpu(model_dir: Path, monkeypatch, capt
     replays = []
     real_replay = flow_module._StepGraph.replay
     monkeypatch.setattr(flow_module._StepGraph, "replay", lambda self, t, dt: (replays.append(1), real_replay(self, t, dt)))
-    monkeypatch.setattr(flow_module, "STEP_GRAPH_CACHE", False)  # the per-batch graph path
-    monkeypatch.setattr(flow_module, "_graphs_failed", False)
-    monkeypatch.setattr(flow_module, "_capture_first_failed", False)
-    monkeypatch.setattr(flow_module, "EULER_CAPTURE_FIRST", capture_first)
-    monkeypatch.setattr(flow_module, "_per_thread", threading.local())  # this thread starts cold
+    _per_batch_graphs(monkeypatch, capture_first=capture_first)
     with torch.inference_mode(), torch.cuda.stream(torch.cuda.Stream()):
         monkeypatch.setattr(flow_module, "EULER_STEP_GRAPHS", False)
         eager = cfm(*inputs)
@@ -745,12 +755,7 @@ def test_begun_ode_queues_no_step_until_finished_on_cpu(flow: CausalFlow, monkey
         eager = cfm(mu, mask, spks, cond)
         eager_other = cfm(other[2], other[1], other[4], other[5])
         monkeypatch.setattr(ConditionalFlowMatching, "_step", lambda self, *a: (steps.append(1), real_step(self, *a)))
-        monkeypatch.setattr(flow_module, "_capturable", lambda x: True)
-        monkeypatch.setattr(flow_module, "STEP_GRAPH_CACHE", False)  # the per-batch graph path
-        monkeypatch.setattr(flow_module._StepGraph, "capture", staticmethod(capture))
-        monkeypatch.setattr(flow_module._StepGraph, "warm", staticmethod(lambda device: warm))
-        monkeypatch.setattr(flow_module, "EULER_CAPTURE_FIRST", False)
-        monkeypatch.setattr(flow_module, "_capture_first_failed", False)
+        _stand_in_graphs(monkeypatch, capture, warm, capture_first=False)
         pending = cfm.start(mu, mask, spks, cond, ahead=True)
         assert len(steps) == (0 if warm else 1) and not replays
         between = cfm(other[2], other[1], other[4], other[5])
@@ -774,11 +779,7 @@ def test_begun_ode_beside_another_batch_equals_eager_on_gpu(model_dir: Path, mon
     mu_b = inputs[0][:3, :, :200] + 0.5 * torch.randn(3, 80, 200, generator=g).to(inputs[0])
     inputs_b = (mu_b, inputs[1][:3, :, :200], inputs[2][:3], inputs[3][:3, :, :200])
     valid_b = valid[:3, :, :200]
-    monkeypatch.setattr(flow_module, "STEP_GRAPH_CACHE", False)  # the per-batch graph path
-    monkeypatch.setattr(flow_module, "_graphs_failed", False)
-    monkeypatch.setattr(flow_module, "_capture_first_failed", False)
-    monkeypatch.setattr(flow_module, "EULER_CAPTURE_FIRST", False)
-    monkeypatch.setattr(flow_module, "_per_thread", threading.local())  # this thread starts cold
+    _per_batch_graphs(monkeypatch, capture_first=False)
     with torch.inference_mode(), torch.cuda.stream(torch.cuda.Stream()):
         monkeypatch.setattr(flow_module, "EULER_STEP_GRAPHS", False)
         eager_a, eager_b = cfm(*inputs), cfm(*inputs_b)

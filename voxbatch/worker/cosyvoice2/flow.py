@@ -197,17 +197,9 @@ class ConditionalFlowMatching(nn.Module):
         self.estimator = CausalConditionalDecoder(estimator)
         self.noise: torch.Tensor | None = None  # (1, 80, 15000) fp32, set by CausalFlow.from_model_dir / init_noise
 
-    def forward(
-        self,
-        mu: torch.Tensor,
-        mask: torch.Tensor,
-        spks: torch.Tensor,
-        cond: torch.Tensor,
-        n_steps: int = N_TIMESTEPS,
-        streaming: bool = False,
-    ) -> torch.Tensor:
-        """mu, cond (B, 80, T_mel); mask (B, 1, T_mel); spks (B, 80) -> mel (B, 80, T_mel) fp32."""
-        return self.start(mu, mask, spks, cond, n_steps, streaming).finish()
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        """`start(...)` (its arguments) run to the end: mel (B, 80, T_mel) fp32."""
+        return self.start(*args, **kwargs).finish()
 
     def start(
         self,
@@ -219,8 +211,9 @@ class ConditionalFlowMatching(nn.Module):
         streaming: bool = False,
         ahead: bool = False,
     ) -> PendingOde:
-        """`forward` up to its step graph: the ODE's state made and, on CUDA, its step captured; the
-        returned `PendingOde.finish()` queues the steps and gives the mel.
+        """mu, cond (B, 80, T_mel); mask (B, 1, T_mel); spks (B, 80) -> the ODE up to its step graph: its
+        state made and, on CUDA, its step captured; the returned `PendingOde.finish()` queues the steps
+        and gives the mel (B, 80, T_mel) fp32.
 
         `ahead`: the caller queues other work on this stream before `finish` (a vocoder thread begins
         its next batch while its current batch's steps run, streaming.VOCODER_PIPELINE). A warm thread
