@@ -140,8 +140,9 @@ VOCODER_LOOKAHEAD = False
 # work goes  steps(N) | begin(N+1) HiFT(N) steps(N+1) | wait(N), emit(N) | begin(N+2) HiFT(N+1) ...
 # where begin is the flow's encoder queued and its step graph captured before any step runs (a warm
 # thread, flow.ConditionalFlowMatching.start's `ahead`), and steps are the ten graph replays: ten
-# launches that queue ~10 flow steps of GPU time (~85 ms each for 64 rows on an H100: the flow alone, 6.565 s for 500 rows x 10 steps, bench/results/gpu_h100_s36_parts.json). Why it might
-# pay: a batch's capture (44-195 ms of host time, one thread's after the other's under the graph lock)
+# launches that queue ~10 flow steps of GPU time (~85 ms each for 64 rows on an H100: the flow alone
+# took 6.565 s for 500 rows x 10 steps, bench/results/gpu_h100_s36_parts.json). Why it might pay: a
+# batch's capture (44-195 ms of host time, one thread's after the other's under the graph lock)
 # and its copy, emits and choice of the next batch came where this thread had nothing queued; with the
 # two threads' batches ending together (equal streams advance kernel for kernel), each such turnover in
 # the vocoder-only tail was a GPU dip (89%, 92%, the last 22-41% busy,
