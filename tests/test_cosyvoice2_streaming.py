@@ -243,8 +243,8 @@ def test_lookahead_queues_the_next_batch_before_waiting_for_the_last(engine, mon
     outstanding, most, failed = [0], [0], []
     real_launch, real_results = CosyVoice2Engine.vocode_launch, engine_mod.VocodedBatch.results
 
-    def vocode_launch(self, items, queued=None):
-        out = real_launch(self, items, queued)
+    def vocode_launch(self, items, queued=None, begun=None):
+        out = real_launch(self, items, queued, begun)
         outstanding[0] += 1
         most[0] = max(most[0], outstanding[0])
         return out
@@ -586,7 +586,7 @@ def test_launch_lock_lets_one_vocoder_thread_queue_at_a_time(engine, monkeypatch
     inside, most, both = [0], [0], threading.Barrier(2, timeout=2)
     guard = threading.Lock()
 
-    def vocode_launch(self, items, queued=None):
+    def vocode_launch(self, items, queued=None, begun=None):
         with guard:
             inside[0] += 1
             most[0] = max(most[0], inside[0])
@@ -605,7 +605,7 @@ def test_launch_lock_lets_one_vocoder_thread_queue_at_a_time(engine, monkeypatch
             except threading.BrokenBarrierError:
                 pass
         try:
-            return real(self, items, queued=done)
+            return real(self, items, queued=done, begun=begun)
         finally:
             done()
 

@@ -490,9 +490,7 @@ class _Vocoder:
                     current = self._steps(self._begin(*nxt))
                 nxt = self._next(False, wait=False)  # busy: the secondary's rule
                 following = self._begin(*nxt) if nxt is not None else None
-                batch, started, began, begun = current
-                launched = self._launch(batch, started, began, begun)
-                current = None
+                launched, current = self._launch(*current), None
                 if following is not None:
                     current, following = self._steps(following), None
                 self._finish(*launched)  # its rows stop being pending there, even if it raises
@@ -533,10 +531,7 @@ class _Vocoder:
         gate = _LaunchGate(self.launch if LAUNCH_LOCK and len(self.threads) > 1 else None)
         try:
             with gate:
-                if begun is None:
-                    launched = self.s.engine.vocode_launch(batch, queued=gate.release)
-                else:
-                    launched = self.s.engine.vocode_launch(batch, queued=gate.release, begun=begun)
+                launched = self.s.engine.vocode_launch(batch, queued=gate.release, begun=begun)
         except Exception as e:  # noqa: BLE001 - retried row by row in _finish
             launched = e
         return batch, started, began, launched
