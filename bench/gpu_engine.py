@@ -245,18 +245,21 @@ class StoreTimes:
 class GpuUtilisation:
     """GPU utilisation per device while a run lasts, from `nvidia-smi -lms` (the share of each sample
     period in which a kernel ran), each sample stamped as it arrives so a summary can cover an exact
-    window; `None` where nvidia-smi is absent (CPU runs)."""
+    window; `None` where nvidia-smi is absent (CPU runs). The device memory in use (every process's)
+    is read with it: a worker whose caching allocator retried an allocation (timeline `cuda_alloc_retry`,
+    a flush of every cached block, each free a wait for the whole device) says whether the card was full."""
 
     def __init__(self, interval_ms: int = 100):
         self.interval_ms = interval_ms
         self.proc: subprocess.Popen | None = None
         self.samples: list[tuple[float, str, float]] = []  # (unix time, gpu, utilisation %)
+        self.memory: list[tuple[float, str, float]] = []  # (unix time, gpu, MiB in use)
         self._reader: threading.Thread | None = None
 
     def __enter__(self) -> "GpuUtilisation":
         if shutil.which("nvidia-smi"):
             self.proc = subprocess.Popen(
-                ["nvidia-smi", "--query-gpu=index,utilization.gpu", "--format=csv,noheader,nounits",
+                ["nvidia-smi", "--query-gpu=index,utilization.gpu,memory.used", "--format=csv,noheader,nounits",
                  f"-lms={self.interval_ms}"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
             self._reader = threading.Thread(target=self._read, daemon=True)
             self._reader.start()
@@ -266,8 +269,10 @@ class GpuUtilisation:
         assert self.proc is not None and self.proc.stdout is not None
         for line in self.proc.stdout:
             parts = [p.strip() for p in line.split(",")]
-            if len(parts) == 2 and parts[1].replace(".", "", 1).isdigit():
-                self.samples.append((time.time(), f"gpu{parts[0]}", float(parts[1])))
+            if len(parts) == 3 and all(p.replace(".", "", 1).isdigit() for p in parts[1:]):
+                now, gpu = time.time(), f"gpu{parts[0]}"
+                self.samples.append((now, gpu, float(parts[1])))
+                self.memory.append((now, gpu, float(parts[2])))
 
     def __exit__(self, *exc) -> None:
         if self.proc is not None:
@@ -285,11 +290,16 @@ class GpuUtilisation:
         for t, gpu, u in self.samples:
             if window is None or window[0] <= t <= window[1]:
                 per[gpu].append((t, u))
+        mem: dict[str, list[float]] = defaultdict(list)
+        for t, gpu, mib in self.memory:
+            if window is None or window[0] <= t <= window[1]:
+                mem[gpu].append(mib)
         out = {}
         for gpu, tv in per.items():  # every entry holds at least one sample
             v = [u for _, u in tv]
             out[gpu] = {"mean_pct": round(sum(v) / len(v), 1), "max_pct": max(v), "samples": len(v),
-                        "by_tenth_pct": [round(sum(c) / len(c), 1) if c else None for c in _tenths(v)]}
+                        "by_tenth_pct": [round(sum(c) / len(c), 1) if c else None for c in _tenths(v)],
+                        "memory_used_gib_max": round(max(mem[gpu]) / 1024, 2) if mem[gpu] else None}
             if raw:
                 t0 = window[0] if window else tv[0][0]
                 out[gpu]["raw"] = [[round(t - t0, 2), u] for t, u in tv]
@@ -1146,6 +1156,10 @@ class Bench:
                     print(f"    LLM placements: {t['llm_place_ms_total']} ms wall, {t['llm_place_cpu_ms_total']} ms CPU, "
                           f"{t['llm_prefill_ms_total']} ms filling rows; one launch {t['llm_launch_us_median']} us median, "
                           f"{t['llm_launch_us_max']} us worst; GIL probe {t['gil_wait_us_mean']} us mean", flush=True)
+                card = next(iter((busy or {}).values()), {}).get("memory_used_gib_max")
+                print(f"    allocators: {t['cuda_malloc_total']} cudaMalloc, {t['cuda_free_total']} cudaFree, "
+                      f"{t['cuda_alloc_retry_total']} retries; {t['pinned_alloc_total']} pinned allocations "
+                      f"({t['pinned_alloc_us_total'] / 1000:.0f} ms); card memory in use at most {card} GiB", flush=True)
                 if res["failed"]:
                     raise RuntimeError(f"worker run with tasks of {size}: {res['failed']} segments failed: {res['errors']}")
             if trace_dir is not None:

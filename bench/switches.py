@@ -65,6 +65,7 @@ SWITCHES = {
     "draws": ("voxbatch.worker.cosyvoice2.hift", "IN_PLACE_DRAWS", _flag),
     "gather": ("voxbatch.worker.cosyvoice2.engine", "GATHER_TO_HIFT", _flag),
     "prepare": ("voxbatch.worker.cosyvoice2.engine", "PREPARE_AT_ENQUEUE", _flag),
+    "rows_copied": ("voxbatch.worker.cosyvoice2.engine", "ROWS_COPIED", _flag),
     "hift_dtype": ("voxbatch.worker.cosyvoice2.engine", "HIFT_GPU_DTYPE", _dtype),
     "epilogue": ("voxbatch.worker.cosyvoice2.hift", "FUSED_CONV_EPILOGUE", _flag),
     "snake_epi": ("voxbatch.worker.cosyvoice2.hift", "SNAKE_IN_EPILOGUE", _flag),

@@ -369,6 +369,61 @@ def test_vocoder_launch_never_waits_for_the_gpu(tiny_model_dir, storage_dir):
     assert items and all(a is not None and np.array_equal(a, b) for a, b in zip(again, first))
 
 
+def _staged_rows(copy, lens: list[int], spf: int) -> list[np.ndarray]:
+    from voxbatch.worker.cosyvoice2.engine import VocodedBatch
+
+    return VocodedBatch([], copy, lens, spf).arrays()
+
+
+def test_copied_rows_own_their_memory_and_release_the_staging_buffer(monkeypatch):
+    """ROWS_COPIED: each row of a pinned staging buffer is its own array, the same samples as the view
+    it replaces, and the buffer is released (it goes back to the pinned cache); unpinned audio (a CPU
+    engine) stays as views. CPU: the pinned case is a host tensor marked so."""
+    from voxbatch.worker.cosyvoice2 import engine as engine_mod
+
+    wav = torch.arange(3 * 40, dtype=torch.float32).reshape(3, 40)
+    lens, spf = [2, 5, 3], 8
+    views = _staged_rows(engine_mod.HostCopy(wav), lens, spf)
+    monkeypatch.setattr(engine_mod, "ROWS_COPIED", True)
+    staged = engine_mod.HostCopy(wav)
+    staged.pinned = True
+    rows = _staged_rows(staged, lens, spf)
+    assert [len(r) for r in rows] == [n * spf for n in lens]
+    assert all(np.array_equal(r, v) for r, v in zip(rows, views))
+    assert not any(np.shares_memory(r, wav.numpy()) for r in rows)
+    assert staged.host is None
+    with pytest.raises(RuntimeError, match="released"):
+        staged.numpy()
+    unpinned = engine_mod.HostCopy(wav)
+    assert all(np.shares_memory(r, wav.numpy()) for r in _staged_rows(unpinned, lens, spf))
+
+
+@pytest.mark.gpu
+def test_copied_rows_let_the_next_batch_reuse_the_pinned_block_on_gpu(monkeypatch):
+    """CUDA: while earlier batches' rows are still held (an upload queue holds them), each new batch of
+    the same size reuses the one pinned block with ROWS_COPIED, and pins a block of its own per batch
+    without it; the rows are the device's samples either way."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from voxbatch.worker.cosyvoice2 import engine as engine_mod
+
+    wav = torch.randn(4, 6000, device="cuda")
+    lens, spf = [100, 250, 300, 120], 20
+    want = [wav[i, : n * spf].cpu().numpy() for i, n in enumerate(lens)]
+
+    def pinned_allocs(copied: bool) -> int:
+        monkeypatch.setattr(engine_mod, "ROWS_COPIED", copied)
+        held = []
+        before = torch.cuda.host_memory_stats()["num_host_alloc"]
+        for _ in range(4):
+            held.append(_staged_rows(engine_mod.HostCopy(wav), lens, spf))
+        assert all(np.array_equal(r, w) for rows in held for r, w in zip(rows, want))
+        return torch.cuda.host_memory_stats()["num_host_alloc"] - before
+
+    assert pinned_allocs(False) >= 3  # a new block per batch while the rows are held
+    assert pinned_allocs(True) <= 1  # one block, back in the cache after each batch
+
+
 def test_deterministic_cudnn_is_scoped_to_the_vocoder_call(engine):
     """The engine sets no process-wide cuDNN flag: determinism is switched on around HiFT only."""
     from voxbatch.worker.cosyvoice2.engine import deterministic_cudnn

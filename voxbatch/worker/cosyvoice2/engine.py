@@ -136,6 +136,15 @@ GATHER_TO_HIFT = True
 # the noise, 302.7x / 291.2x with vs 293.4x without (bench/results/gpu_h100_worker20.json). Bench switch `prepare`.
 PREPARE_AT_ENQUEUE = True
 
+# A batch's audio rows are copied out of its pinned staging buffer (`HostCopy`), which then goes back to
+# torch's pinned-memory cache at once, instead of each row going on as a view of it. Why: a view keeps
+# the whole buffer pinned until the batch's last row is stored, so while uploads were pending each new
+# batch found no free block of its size and pinned a new one (cudaHostAlloc, a page-locking driver call
+# of up to 256 MB): 13 such calls in a job, 158 ms in all, one of 98 ms, with the vocoder thread held in
+# its launch meanwhile (timeline `pinned_alloc`, bench/results/gpu_h100_s45b.json, tasks of 16). The
+# copy is a memcpy of the batch's audio on the host. Bench switch `rows_copied`.
+ROWS_COPIED = False
+
 FLOW_ROWS_MAX = 128  # the fastest flow + HiFT batch measured on an H200 (128 over 64: bench/results/h200_probe1.json)
 
 
@@ -242,8 +251,9 @@ class HostCopy:
 
     def __init__(self, t: torch.Tensor):
         self.ready: torch.cuda.Event | None = None
-        if t.device.type != "cuda":
-            self.host = t
+        self.pinned = t.device.type == "cuda"  # staged in pinned memory (else `host` is the tensor itself)
+        if not self.pinned:
+            self.host: torch.Tensor | None = t
             return
         self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         self.host.copy_(t, non_blocking=True)
@@ -251,14 +261,15 @@ class HostCopy:
         self.ready.record(torch.cuda.current_stream(t.device))
 
     def numpy(self) -> np.ndarray:
+        if self.host is None:
+            raise RuntimeError("this copy's host buffer was already released")
         if self.ready is not None:
             self.ready.synchronize()
         return self.host.numpy()
 
-
-def to_host(t: torch.Tensor) -> np.ndarray:
-    """Device -> host through pinned memory on the current stream (`HostCopy`), waited for."""
-    return HostCopy(t).numpy()
+    def release(self) -> None:
+        """Drop the host buffer: a pinned one goes back to torch's pinned cache once no array views it."""
+        self.host = None
 
 
 class VocodedBatch:
@@ -269,8 +280,14 @@ class VocodedBatch:
         self.items, self.wav, self.mel_lens, self.spf = items, wav, mel_lens, samples_per_frame
 
     def arrays(self) -> list[np.ndarray]:
+        """Each row's samples, once: with ROWS_COPIED a pinned staging buffer is copied out of and released."""
         wav = self.wav.numpy()
-        return [np.ascontiguousarray(wav[i, : n * self.spf]) for i, n in enumerate(self.mel_lens)]
+        if not (ROWS_COPIED and self.wav.pinned):
+            return [np.ascontiguousarray(wav[i, : n * self.spf]) for i, n in enumerate(self.mel_lens)]
+        rows = [wav[i, : n * self.spf].copy() for i, n in enumerate(self.mel_lens)]
+        del wav
+        self.wav.release()
+        return rows
 
     def results(self) -> list[SynthesisResult]:
         return [SynthesisResult(item.request, audio) for item, audio in zip(self.items, self.arrays())]
