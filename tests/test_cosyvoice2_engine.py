@@ -500,6 +500,43 @@ def test_left_aligned_mel_batch_is_the_padded_rows():
     assert torch.equal(got, want)
 
 
+def test_hift_parts_keep_each_part_within_the_budget():
+    """hift_parts: every row once, in order; each part's rows x frames within the budget (a single
+    row may exceed it); the fewest parts, of near-equal size; 0 is the whole batch."""
+    from voxbatch.worker.cosyvoice2.engine import hift_parts
+
+    assert hift_parts(128, 800, 0) == [(0, 128)]
+    assert hift_parts(0, 800, 1000) == [(0, 0)]
+    for rows, frames, budget in [(128, 800, 32768), (75, 640, 32768), (7, 100, 700), (5, 3000, 1000), (128, 96, 32768)]:
+        parts = hift_parts(rows, frames, budget)
+        assert parts[0][0] == 0 and parts[-1][1] == rows and all(b == c for (_, b), (c, _) in zip(parts, parts[1:]))
+        sizes = [b - a for a, b in parts]
+        assert min(sizes) >= 1 and max(sizes) - min(sizes) <= 1
+        assert all(n * frames <= budget for n in sizes) or max(sizes) == 1
+        assert len(parts) == min(rows, -(-rows * frames // budget))
+
+
+def test_vocode_in_hift_parts_equals_the_whole_batch(engine, monkeypatch):
+    """HIFT_FRAMES_PER_CALL: HiFT over a batch in parts (here one row each) gives each row the audio of
+    the whole batch, as any other batch would: the same length, within the batch bounds (BATCH_ATOL,
+    BATCH_REL_RMS: a part is a smaller batch, whose kernels round otherwise), each row its own seed."""
+    from voxbatch.worker.cosyvoice2 import engine as engine_mod
+
+    wants = [12, 5, 20]
+    batch = [req(i, t, exact_bound(engine, t, w)) for i, (t, w) in enumerate(zip(TEXTS, wants))]
+    items = [engine.item(r) for r in batch]
+    for res in engine.llm.generate([it.llm for it in items]):
+        items[res.index].tokens = res.tokens
+    whole = [r.audio for r in engine.vocode(items)]
+    monkeypatch.setattr(engine_mod, "HIFT_FRAMES_PER_CALL", 1)
+    parts = [r.audio for r in engine.vocode(items)]
+    assert len(parts) == len(whole) == len(items)
+    for a, b in zip(parts, whole):
+        assert a.shape == b.shape and len(a) > 0
+        np.testing.assert_allclose(a, b, rtol=0, atol=BATCH_ATOL)
+        assert np.sqrt(np.mean((a - b) ** 2) / np.mean(b**2)) < BATCH_REL_RMS
+
+
 def test_vocode_without_speed_equals_the_row_path(engine):
     """vocode's one-gather path (every speed 1) gives the audio of the list path (`waves` of the
     flow's rows), bit for bit on the CPU."""

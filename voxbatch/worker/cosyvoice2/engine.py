@@ -145,6 +145,29 @@ PREPARE_AT_ENQUEUE = True
 # copy is a memcpy of the batch's audio on the host. Bench switch `rows_copied`.
 ROWS_COPIED = False
 
+# HiFT runs a batch in parts of at most this many rows x padded mel frames (0: the batch whole). Why:
+# HiFT's activations are fp32 at up to 6,000 frames a second of audio x 64 channels, so a 128-row batch
+# of 15 s rows holds several 3 GB tensors at its last stage, and the worker's device memory reached
+# 62-79 GiB of an 80 GB H100 over a job (nvidia-smi, bench/results/gpu_h100_s45c.json and s45d.json; a
+# flush of the allocator's cache, each free a wait for the whole device, in gpu_h100_s45b.json). Parts
+# run one after the other on the thread's stream, so the caching allocator hands the first part's blocks
+# to the next: the peak is one part's. Rows are independent in HiFT and each keeps its own generator, so
+# a row's audio is what any batch gives it (a smaller batch's kernels round otherwise: within the engine
+# tests' batch bounds). Bench switch `hift_frames`.
+HIFT_FRAMES_PER_CALL = 0
+
+
+def hift_parts(rows: int, frames: int, budget: int = 0) -> list[tuple[int, int]]:
+    """[start, end) row ranges of a (rows, 80, frames) HiFT batch: as few parts as keep rows x frames
+    within `budget` (HIFT_FRAMES_PER_CALL; 0: one part), of near-equal row counts, at least one row each."""
+    budget = budget or HIFT_FRAMES_PER_CALL
+    if budget <= 0 or rows <= 1:
+        return [(0, rows)]
+    n = min(rows, -(-rows * frames // budget))  # ceil: the fewest parts within the budget (one row at least)
+    cuts = [rows * i // n for i in range(n + 1)]
+    return [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
+
+
 FLOW_ROWS_MAX = 128  # the fastest flow + HiFT batch measured on an H200 (128 over 64: bench/results/h200_probe1.json)
 
 
@@ -662,8 +685,9 @@ class CosyVoice2Engine(Engine):
         waveforms (B, T_wav) fp32 on their way to the host, nothing waited for."""
         with torch.inference_mode():
             generators = [torch.Generator(device=mel.device).manual_seed(s) for s in seeds]
-            wav, _ = self.hift.inference(mel, mel_lens, generators)  # (B, T_wav); host lengths: no sync
-            wav = wav.float()
+            parts = [self.hift.inference(mel[a:b], mel_lens[a:b], generators[a:b])[0]  # (b - a, T_wav); host lengths: no sync
+                     for a, b in hift_parts(len(mel_lens), mel.shape[2])]
+            wav = (parts[0] if len(parts) == 1 else torch.cat(parts)).float()
             if queued is not None:
                 queued()
             return HostCopy(wav)
