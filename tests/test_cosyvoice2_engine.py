@@ -503,9 +503,11 @@ def test_left_aligned_mel_batch_is_the_padded_rows():
 def test_hift_parts_keep_each_part_within_the_budget():
     """hift_parts: every row once, in order; each part's rows x frames within the budget (a single
     row may exceed it); the fewest parts, of near-equal size; 0 is the whole batch."""
+    from voxbatch.worker.cosyvoice2 import engine as engine_mod
     from voxbatch.worker.cosyvoice2.engine import hift_parts
 
     assert hift_parts(128, 800, 0) == [(0, 128)]
+    assert hift_parts(128, 800) == hift_parts(128, 800, engine_mod.HIFT_FRAMES_PER_CALL)
     assert hift_parts(0, 800, 1000) == [(0, 0)]
     for rows, frames, budget in [(128, 800, 32768), (75, 640, 32768), (7, 100, 700), (5, 3000, 1000), (128, 96, 32768)]:
         parts = hift_parts(rows, frames, budget)
@@ -527,6 +529,7 @@ def test_vocode_in_hift_parts_equals_the_whole_batch(engine, monkeypatch):
     items = [engine.item(r) for r in batch]
     for res in engine.llm.generate([it.llm for it in items]):
         items[res.index].tokens = res.tokens
+    monkeypatch.setattr(engine_mod, "HIFT_FRAMES_PER_CALL", 0)
     whole = [r.audio for r in engine.vocode(items)]
     monkeypatch.setattr(engine_mod, "HIFT_FRAMES_PER_CALL", 1)
     parts = [r.audio for r in engine.vocode(items)]

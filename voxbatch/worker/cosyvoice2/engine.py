@@ -142,25 +142,30 @@ PREPARE_AT_ENQUEUE = True
 # batch found no free block of its size and pinned a new one (cudaHostAlloc, a page-locking driver call
 # of up to 256 MB): 13 such calls in a job, 158 ms in all, one of 98 ms, with the vocoder thread held in
 # its launch meanwhile (timeline `pinned_alloc`, bench/results/gpu_h100_s45b.json, tasks of 16). The
-# copy is a memcpy of the batch's audio on the host. Bench switch `rows_copied`.
+# copy is a memcpy of the batch's audio on the host. Off: slower. Worker on an H100, tasks of 16, A B A B A:
+# 325.7x / 329.3x with vs 325.8x / 334.4x / 335.7x without (B/A 0.987), 12 and 4 pinned allocations a job
+# against 9, 8 and 15: not fewer beyond the spread (bench/results/gpu_h100_s45c.json). Bench switch `rows_copied`.
 ROWS_COPIED = False
 
 # HiFT runs a batch in parts of at most this many rows x padded mel frames (0: the batch whole). Why:
-# HiFT's activations are fp32 at up to 6,000 frames a second of audio x 64 channels, so a 128-row batch
-# of 15 s rows holds several 3 GB tensors at its last stage, and the worker's device memory reached
-# 62-79 GiB of an 80 GB H100 over a job (nvidia-smi, bench/results/gpu_h100_s45c.json and s45d.json; a
-# flush of the allocator's cache, each free a wait for the whole device, in gpu_h100_s45b.json). Parts
-# run one after the other on the thread's stream, so the caching allocator hands the first part's blocks
-# to the next: the peak is one part's. Rows are independent in HiFT and each keeps its own generator, so
-# a row's audio is what any batch gives it (a smaller batch's kernels round otherwise: within the engine
-# tests' batch bounds). Bench switch `hift_frames`.
-HIFT_FRAMES_PER_CALL = 0
+# HiFT's activations are fp32 at 6,000 frames a second of audio x 64 channels at its last stage, so a
+# 128-row batch of 15 s rows holds tensors of ~3 GB each there, and the worker's device memory (nvidia-smi,
+# every process) reached 62-79 GiB of an 80 GB H100 over a job (bench/results/gpu_h100_s45c.json,
+# gpu_h100_s45d.json); a flush of the allocator's cache (103 frees, each a wait for the whole device)
+# came with the slowest job of gpu_h100_s45b.json. Parts run one after the other on the thread's stream,
+# so the caching allocator hands one part's blocks to the next. Rows are independent in HiFT and each
+# keeps its own generator, so a row's audio is what any batch gives it (a smaller batch's kernels round
+# otherwise: within the engine tests' batch bounds). Worker on an H100, tasks of 16, A B1 B2 A: 32768
+# 331.1x vs 329.7x / 328.8x without (B/A 1.006, ahead of both), the card's memory at most 58.6 GiB vs
+# 66.3 / 70.5 GiB; 16384 327.3x (0.994), 51.2 GiB (bench/results/gpu_h100_s45e.json). A batch of the
+# bench corpus' typical rows (128 x ~350 frames) runs in two parts. Bench switch `hift_frames`.
+HIFT_FRAMES_PER_CALL = 32768
 
 
-def hift_parts(rows: int, frames: int, budget: int = 0) -> list[tuple[int, int]]:
+def hift_parts(rows: int, frames: int, budget: int | None = None) -> list[tuple[int, int]]:
     """[start, end) row ranges of a (rows, 80, frames) HiFT batch: as few parts as keep rows x frames
-    within `budget` (HIFT_FRAMES_PER_CALL; 0: one part), of near-equal row counts, at least one row each."""
-    budget = budget or HIFT_FRAMES_PER_CALL
+    within `budget` (None: HIFT_FRAMES_PER_CALL; 0: one part), of near-equal row counts, one row at least."""
+    budget = HIFT_FRAMES_PER_CALL if budget is None else budget
     if budget <= 0 or rows <= 1:
         return [(0, rows)]
     n = min(rows, -(-rows * frames // budget))  # ceil: the fewest parts within the budget (one row at least)
