@@ -269,10 +269,12 @@ class GpuUtilisation:
         assert self.proc is not None and self.proc.stdout is not None
         for line in self.proc.stdout:
             parts = [p.strip() for p in line.split(",")]
-            if len(parts) == 3 and all(p.replace(".", "", 1).isdigit() for p in parts[1:]):
+            numeric = [p.replace(".", "", 1).isdigit() for p in parts]
+            if len(parts) == 3 and numeric[1]:  # memory may read [N/A] (MIG): the utilisation still counts
                 now, gpu = time.time(), f"gpu{parts[0]}"
                 self.samples.append((now, gpu, float(parts[1])))
-                self.memory.append((now, gpu, float(parts[2])))
+                if numeric[2]:
+                    self.memory.append((now, gpu, float(parts[2])))
 
     def __exit__(self, *exc) -> None:
         if self.proc is not None:

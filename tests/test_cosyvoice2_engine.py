@@ -508,7 +508,7 @@ def test_hift_parts_keep_each_part_within_the_budget():
 
     assert hift_parts(128, 800, 0) == [(0, 128)]
     assert hift_parts(128, 800) == hift_parts(128, 800, engine_mod.HIFT_FRAMES_PER_CALL)
-    assert hift_parts(0, 800, 1000) == [(0, 0)]
+    assert hift_parts(0, 800, 1000) == [(0, 0)] and hift_parts(4, 0, 1000) == [(0, 4)]
     for rows, frames, budget in [(128, 800, 32768), (75, 640, 32768), (7, 100, 700), (5, 3000, 1000), (128, 96, 32768)]:
         parts = hift_parts(rows, frames, budget)
         assert parts[0][0] == 0 and parts[-1][1] == rows and all(b == c for (_, b), (c, _) in zip(parts, parts[1:]))

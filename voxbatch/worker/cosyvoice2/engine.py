@@ -168,7 +168,7 @@ def hift_parts(rows: int, frames: int, budget: int | None = None) -> list[tuple[
     budget = HIFT_FRAMES_PER_CALL if budget is None else budget
     if budget <= 0 or rows <= 1:
         return [(0, rows)]
-    n = min(rows, -(-rows * frames // budget))  # ceil: the fewest parts within the budget (one row at least)
+    n = max(1, min(rows, -(-rows * frames // budget)))  # ceil: the fewest parts within the budget (a row at least)
     cuts = [rows * i // n for i in range(n + 1)]
     return [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
 
