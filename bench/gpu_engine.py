@@ -98,6 +98,22 @@ def reset_peak(devices: list[str]) -> None:
         torch.cuda.reset_peak_memory_stats(d)
 
 
+def device_memory_mark(device: torch.device) -> int:
+    """Bytes allocated on `device` now, with its peak reset (so `peak_gib` reads from here on): then
+    `device_memory_added` reads how much a call added at most (a CUDA device; 0 elsewhere)."""
+    if device.type != "cuda":
+        return 0
+    torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_allocated(device)
+
+
+def device_memory_added(device: torch.device, mark: int) -> float:
+    """GiB allocated on `device` at most since `device_memory_mark` gave `mark`, above it."""
+    if device.type != "cuda":
+        return 0.0
+    return (torch.cuda.max_memory_allocated(device) - mark) / 2**30
+
+
 def peak_gib(devices: list[str]) -> float | None:
     cuda = {d for d in devices if d.startswith("cuda")}
     if not cuda:
@@ -882,7 +898,10 @@ class Bench:
         ...` (bench switches, bench/switches.py) times flow and HiFT again with each spec's switches set,
         interleaved with the shipped form (A B1 .. Bk, twice; the faster of each counts): the device
         time of a kernel change without the scheduler's run-to-run spread. (The time-major flow
-        estimator measured 1.15x the channel-major one in bench/results/h200_probe2.json and replaced it.)"""
+        estimator measured 1.15x the channel-major one in bench/results/h200_probe2.json and replaced it.)
+        On a GPU each variant also records the most device memory one flow batch and one HiFT batch
+        added (`*_batch_peak_gib`): the worker's card filled to 62-79 GiB of 80 over a job
+        (bench/results/gpu_h100_s45c.json), and these say which part's batches hold it."""
         from voxbatch.models import SynthesisParams
         from voxbatch.worker.engine import SynthesisRequest
 
@@ -903,17 +922,25 @@ class Bench:
             batches = [by_len[i : i + fb] for i in range(0, len(by_len), fb)]
             variants = {"shipped": {}} | {spec: parse_run(spec, switches=True) for spec in self.args.parts_ab}
 
-            def measure(run: dict[str, str]) -> tuple[float, float, float]:
+            peaks: dict[str, dict[str, float]] = {}  # variant -> part -> most device memory one batch added (GiB)
+            dev = engine.flow.encoder_proj.weight.device  # flow and HiFT share it in the shipped placement
+
+            def measure(run: dict[str, str], name: str) -> tuple[float, float, float]:
+                peak = peaks.setdefault(name, {"flow": 0.0, "hift": 0.0})
                 with switched(run):
                     flow_s = hift_s = audio = 0.0
                     for b in batches:
                         sync()
+                        base = device_memory_mark(dev)
                         t0 = time.perf_counter()
                         mels = engine.mels([it.tokens for it in b], [it.voice for it in b])
                         sync()
                         t1 = time.perf_counter()
+                        peak["flow"] = max(peak["flow"], device_memory_added(dev, base))
+                        base = device_memory_mark(dev)
                         wavs = engine.waves(mels, [1.0] * len(b), [it.request.seed for it in b])
                         t2 = time.perf_counter()
+                        peak["hift"] = max(peak["hift"], device_memory_added(dev, base))
                         flow_s, hift_s = flow_s + t1 - t0, hift_s + t2 - t1
                         audio += sum(len(w) for w in wavs) / engine.sample_rate
                     return flow_s, hift_s, audio
@@ -922,20 +949,25 @@ class Bench:
             # plans and allocations (one middle batch each left the first pass of every variant slow:
             # shipped flow 7.082 then 6.949 s, HiFT 2.274 then 1.971 s in bench/results/gpu_h100_s36_parts.json,
             # and pick_parts.py needs both passes to win).
-            for run in variants.values():
-                measure(run)
+            for name, run in variants.items():
+                measure(run, name)
             runs: dict[str, list[tuple[float, float, float]]] = defaultdict(list)
             for _ in range(2):  # interleaved A/B/C, twice; the faster of the two counts
                 for name, run in variants.items():
-                    runs[name].append(measure(run))
+                    runs[name].append(measure(run, name))
             rows = {}
             for name, reps in runs.items():
                 flow_s, hift_s = min(r[0] for r in reps), min(r[1] for r in reps)
                 audio = reps[0][2]
                 rows[name] = {"flow_s": round(flow_s, 3), "hift_s": round(hift_s, 3), "audio_s": round(audio, 1),
                               "flow_x_realtime": round(audio / flow_s, 1), "hift_x_realtime": round(audio / hift_s, 1),
-                              "reps_flow_s": [round(r[0], 3) for r in reps], "reps_hift_s": [round(r[1], 3) for r in reps]}
-                print(f"  parts {name}: flow {flow_s:.2f}s ({audio / flow_s:.0f}x)  hift {hift_s:.2f}s ({audio / hift_s:.0f}x)", flush=True)
+                              "reps_flow_s": [round(r[0], 3) for r in reps], "reps_hift_s": [round(r[1], 3) for r in reps],
+                              **({f"{part}_batch_peak_gib": round(peaks[name][part], 2) for part in ("flow", "hift")}
+                                 if dev.type == "cuda" else {})}
+                memory = (f"; one batch added at most {peaks[name]['flow']:.2f} GiB (flow), {peaks[name]['hift']:.2f} GiB (HiFT)"
+                          if dev.type == "cuda" else "")
+                print(f"  parts {name}: flow {flow_s:.2f}s ({audio / flow_s:.0f}x)  hift {hift_s:.2f}s ({audio / hift_s:.0f}x){memory}",
+                      flush=True)
             shipped = next(iter(rows.values()))
             total = llm_s + shipped["flow_s"] + shipped["hift_s"]
             return {
