@@ -8,6 +8,7 @@ segment; a blocked `emit` (full output queue) stops the intake from being taken.
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 import time
@@ -281,7 +282,8 @@ def test_pipeline_begins_the_next_batch_while_the_current_ones_steps_run(engine,
     monkeypatch.setattr(streaming, "CPU_VOCODER_THREADS", 1)
     monkeypatch.setattr(streaming, "VOCODER_PIPELINE", True)
     monkeypatch.setattr(streaming, "IDLE_BATCH_DIV", 1)
-    events: list[tuple[str, int]] = []  # (what, id of the batch's first item)
+    events: list[tuple[str, int]] = []  # (what, the batch's number: an id() is reused once a batch is freed)
+    numbers = itertools.count()
     broken: list[str] = []
     real_begin, real_launch = CosyVoice2Engine.vocode_begin, CosyVoice2Engine.vocode_launch
     real_finish, real_results = flow_mod.PendingMel.finish, engine_mod.VocodedBatch.results
@@ -291,7 +293,7 @@ def test_pipeline_begins_the_next_batch_while_the_current_ones_steps_run(engine,
             broken.append("begin")
             raise RuntimeError("flow: out of memory (simulated)")
         pending = real_begin(self, items)
-        pending.key = id(items[0])
+        pending.key = next(numbers)
         events.append(("begin", pending.key))
         return pending
 
@@ -305,8 +307,8 @@ def test_pipeline_begins_the_next_batch_while_the_current_ones_steps_run(engine,
         out = real_launch(self, items, queued, begun)
         out.key = None
         if begun is not None:  # not a row-by-row retry (`engine.vocode`)
-            events.append(("hift", id(items[0])))
-            out.key = id(items[0])
+            events.append(("hift", begun.key))
+            out.key = begun.key
         return out
 
     def results(self):
