@@ -44,7 +44,7 @@ import threading
 import time
 import traceback
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from datetime import datetime, timezone
 from pathlib import Path
@@ -98,20 +98,33 @@ def reset_peak(devices: list[str]) -> None:
         torch.cuda.reset_peak_memory_stats(d)
 
 
-def device_memory_mark(device: torch.device) -> int:
-    """Bytes allocated on `device` now, with its peak reset (so `peak_gib` reads from here on): then
-    `device_memory_added` reads how much a call added at most (a CUDA device; 0 elsewhere)."""
-    if device.type != "cuda":
-        return 0
-    torch.cuda.reset_peak_memory_stats(device)
-    return torch.cuda.memory_allocated(device)
+class CallPeaks:
+    """The most device memory one call added on a CUDA `device` (GiB, per name), and the peak over all of
+    them and what came before (`overall_gib`). torch keeps one peak counter per device, reset before each
+    call here, so a stage that measures this way reports `overall_gib` as its peak. Off a GPU it records nothing."""
 
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self.added: dict[str, float] = defaultdict(float)
+        self.overall = torch.cuda.max_memory_allocated(device) if self.cuda else 0
 
-def device_memory_added(device: torch.device, mark: int) -> float:
-    """GiB allocated on `device` at most since `device_memory_mark` gave `mark`, above it."""
-    if device.type != "cuda":
-        return 0.0
-    return (torch.cuda.max_memory_allocated(device) - mark) / 2**30
+    @contextmanager
+    def measure(self, name: str) -> Iterator[None]:
+        if not self.cuda:
+            yield
+            return
+        self.overall = max(self.overall, torch.cuda.max_memory_allocated(self.device))
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        yield
+        peak = torch.cuda.max_memory_allocated(self.device)
+        self.added[name] = max(self.added[name], (peak - base) / 2**30)
+        self.overall = max(self.overall, peak)
+
+    @property
+    def overall_gib(self) -> float | None:
+        return round(self.overall / 2**30, 2) if self.cuda else None
 
 
 def peak_gib(devices: list[str]) -> float | None:
@@ -671,7 +684,8 @@ class Bench:
         t = time.perf_counter()
         try:
             out = fn()
-            out["peak_gpu_gib"] = peak_gib(self.devices)
+            if out.get("peak_gpu_gib") is None:  # a stage that reset the peak counter itself reports its own (CallPeaks)
+                out["peak_gpu_gib"] = peak_gib(self.devices)
             out["stage_wall_s"] = round(time.perf_counter() - t, 1)
             self.results["stages"][name] = out
         except Exception as e:  # noqa: BLE001 - one failing stage must not lose the others
@@ -922,25 +936,21 @@ class Bench:
             batches = [by_len[i : i + fb] for i in range(0, len(by_len), fb)]
             variants = {"shipped": {}} | {spec: parse_run(spec, switches=True) for spec in self.args.parts_ab}
 
-            peaks: dict[str, dict[str, float]] = {}  # variant -> part -> most device memory one batch added (GiB)
-            dev = engine.flow.encoder_proj.weight.device  # flow and HiFT share it in the shipped placement
+            peaks = CallPeaks(engine.flow.encoder_proj.weight.device)  # flow and HiFT share it when shipped
 
             def measure(run: dict[str, str], name: str) -> tuple[float, float, float]:
-                peak = peaks.setdefault(name, {"flow": 0.0, "hift": 0.0})
                 with switched(run):
                     flow_s = hift_s = audio = 0.0
                     for b in batches:
                         sync()
-                        base = device_memory_mark(dev)
-                        t0 = time.perf_counter()
-                        mels = engine.mels([it.tokens for it in b], [it.voice for it in b])
-                        sync()
-                        t1 = time.perf_counter()
-                        peak["flow"] = max(peak["flow"], device_memory_added(dev, base))
-                        base = device_memory_mark(dev)
-                        wavs = engine.waves(mels, [1.0] * len(b), [it.request.seed for it in b])
-                        t2 = time.perf_counter()
-                        peak["hift"] = max(peak["hift"], device_memory_added(dev, base))
+                        with peaks.measure(f"{name}/flow"):
+                            t0 = time.perf_counter()
+                            mels = engine.mels([it.tokens for it in b], [it.voice for it in b])
+                            sync()
+                            t1 = time.perf_counter()
+                        with peaks.measure(f"{name}/hift"):
+                            wavs = engine.waves(mels, [1.0] * len(b), [it.request.seed for it in b])
+                            t2 = time.perf_counter()
                         flow_s, hift_s = flow_s + t1 - t0, hift_s + t2 - t1
                         audio += sum(len(w) for w in wavs) / engine.sample_rate
                     return flow_s, hift_s, audio
@@ -962,10 +972,10 @@ class Bench:
                 rows[name] = {"flow_s": round(flow_s, 3), "hift_s": round(hift_s, 3), "audio_s": round(audio, 1),
                               "flow_x_realtime": round(audio / flow_s, 1), "hift_x_realtime": round(audio / hift_s, 1),
                               "reps_flow_s": [round(r[0], 3) for r in reps], "reps_hift_s": [round(r[1], 3) for r in reps],
-                              **({f"{part}_batch_peak_gib": round(peaks[name][part], 2) for part in ("flow", "hift")}
-                                 if dev.type == "cuda" else {})}
-                memory = (f"; one batch added at most {peaks[name]['flow']:.2f} GiB (flow), {peaks[name]['hift']:.2f} GiB (HiFT)"
-                          if dev.type == "cuda" else "")
+                              **({f"{part}_batch_peak_gib": round(peaks.added[f"{name}/{part}"], 2) for part in ("flow", "hift")}
+                                 if peaks.cuda else {})}
+                memory = (f"; one batch added at most {peaks.added[f'{name}/flow']:.2f} GiB (flow), "
+                          f"{peaks.added[f'{name}/hift']:.2f} GiB (HiFT)" if peaks.cuda else "")
                 print(f"  parts {name}: flow {flow_s:.2f}s ({audio / flow_s:.0f}x)  hift {hift_s:.2f}s ({audio / hift_s:.0f}x){memory}",
                       flush=True)
             shipped = next(iter(rows.values()))
@@ -977,6 +987,7 @@ class Bench:
                 "share_pct": {"llm": round(100 * llm_s / total, 1), "flow": round(100 * shipped["flow_s"] / total, 1),
                               "hift": round(100 * shipped["hift_s"] / total, 1)},
                 "x_realtime_if_serial": round(shipped["audio_s"] / total, 1),
+                "peak_gpu_gib": peaks.overall_gib,  # the stage's own: CallPeaks resets torch's counter per batch
                 "note": "each part alone, synchronised; the engine/worker stages run them overlapped on two streams",
             }
         finally:
@@ -1190,7 +1201,7 @@ class Bench:
                     print(f"    LLM placements: {t['llm_place_ms_total']} ms wall, {t['llm_place_cpu_ms_total']} ms CPU, "
                           f"{t['llm_prefill_ms_total']} ms filling rows; one launch {t['llm_launch_us_median']} us median, "
                           f"{t['llm_launch_us_max']} us worst; GIL probe {t['gil_wait_us_mean']} us mean", flush=True)
-                card = next(iter((busy or {}).values()), {}).get("memory_used_gib_max")
+                card = busy[sorted(busy)[0]]["memory_used_gib_max"] if busy else None  # the engine's GPU, as busy_pct
                 print(f"    allocators: {t['cuda_malloc_total']} cudaMalloc, {t['cuda_free_total']} cudaFree, "
                       f"{t['cuda_alloc_retry_total']} retries; {t['pinned_alloc_total']} pinned allocations "
                       f"({t['pinned_alloc_us_total'] / 1000:.0f} ms); card memory in use at most {card} GiB", flush=True)
