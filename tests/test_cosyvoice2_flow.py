@@ -818,6 +818,33 @@ def test_euler_step_graph_failure_falls_back_on_gpu(model_dir: Path, monkeypatch
     assert torch.equal(fallback[valid], eager[valid])
 
 
+@pytest.mark.gpu
+def test_a_capture_out_of_memory_fails_the_batch_and_keeps_graphs_on_gpu(monkeypatch) -> None:
+    """Running out of device memory inside a step's capture is the batch being too big for what is free
+    now: it raises (the vocoder renders the batch again in halves) and graphs stay on for the process;
+    any other capture failure turns them off, as before."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    monkeypatch.setattr(flow_module, "_graphs_failed", False)
+    x, t, dt = torch.zeros(2, 8, device="cuda"), torch.zeros((), device="cuda"), torch.full((), 0.1, device="cuda")
+
+    class Step:
+        def __init__(self, error: Exception):
+            self.error = error
+
+        def _step(self, x, t, dt, branches, streaming):
+            x.add_(dt)  # something captured before the failure
+            raise self.error
+
+    with pytest.raises(torch.OutOfMemoryError):
+        flow_module._StepGraph.capture(Step(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")),
+                                       x, t, dt, (), False)
+    assert not flow_module._graphs_failed and flow_module._capturable(x)
+    assert flow_module._StepGraph.capture(Step(RuntimeError("no capture here")), x, t, dt, (), False) is None
+    assert flow_module._graphs_failed
+    assert float(x.abs().max()) == 0.0  # captured, never run
+
+
 # -- step graphs kept per batch shape (flow.STEP_GRAPH_CACHE) ---------------------------------------
 
 

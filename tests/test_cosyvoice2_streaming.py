@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.test_cosyvoice2_engine import BATCH_ATOL, TEXTS, exact_bound, req, storage_dir, voice  # noqa: F401
+from tests.test_cosyvoice2_engine import BATCH_ATOL, TEXTS, exact_bound, req, speech_tokens, storage_dir, voice  # noqa: F401
 from voxbatch.models import SynthesisParams
 from voxbatch.settings import Settings
 from voxbatch.worker.cosyvoice2.engine import CosyVoice2Engine
@@ -291,7 +291,7 @@ def test_pipeline_begins_the_next_batch_while_the_current_ones_steps_run(engine,
     def vocode_begin(self, items):
         if len(items) > 1 and "begin" not in broken:  # the first multi-row batch cannot begin
             broken.append("begin")
-            raise RuntimeError("flow: out of memory (simulated)")
+            raise RuntimeError("flow: CUDNN_STATUS_EXECUTION_FAILED (simulated)")
         pending = real_begin(self, items)
         pending.key = next(numbers)
         events.append(("begin", pending.key))
@@ -693,3 +693,115 @@ def test_vocoder_threads_render_on_streams_of_their_priority_on_gpu(tiny_model_d
         assert seen.get("flow-hift-1", {0}) == {0}, seen  # the second thread may have had nothing to take
     finally:
         gpu.llm.close()
+
+
+def test_a_batch_out_of_device_memory_renders_in_halves_and_later_batches_fit(engine, monkeypatch, lookahead, caplog):
+    """A flow/HiFT batch that runs out of device memory (torch.OutOfMemoryError, raised here wherever the
+    batch is bigger than a card could hold) is rendered again in halves, not row by row, and the
+    vocoder keeps later batches within half of what failed: every segment sounds as alone, and once a
+    batch has failed no batch bigger than what fit is tried again, beyond those already begun."""
+    from voxbatch.worker.cosyvoice2 import streaming
+
+    monkeypatch.setattr(streaming, "IDLE_BATCH_DIV", 1)
+    monkeypatch.setattr(engine, "flow_batch", MAX_BATCH)  # the LLM's rows finish together: batches of MAX_BATCH
+    batch = [req(i, TEXTS[i % len(TEXTS)], exact_bound(engine, TEXTS[i % len(TEXTS)], 12)) for i in range(4 * MAX_BATCH)]
+    longest = max(speech_tokens(engine, batch).values())
+    fits = 2 * longest  # two rows fit, no more of the longest
+    tried, failed, retried = [], [], []
+    real, real_vocode = CosyVoice2Engine.mel_batch, CosyVoice2Engine.vocode
+
+    def mel_batch(self, tokens, voices, ahead=False):
+        cost = len(tokens) * max(len(t) for t in tokens)
+        tried.append(cost)
+        if cost > fits:
+            failed.append(len(tried))
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {cost} tokens' activations")
+        return real(self, tokens, voices, ahead)
+
+    def vocode(self, items, queued=None):  # the vocoder's retries of a failed batch
+        retried.append(len(items))
+        return real_vocode(self, items, queued)
+
+    monkeypatch.setattr(CosyVoice2Engine, "mel_batch", mel_batch)
+    monkeypatch.setattr(CosyVoice2Engine, "vocode", vocode)
+    with caplog.at_level("WARNING", logger="voxbatch.worker.cosyvoice2.streaming"):
+        rec = serve_to_the_end(engine, batch, monkeypatch)
+    for r in batch:
+        res = rec.results[r.segment_id]
+        assert res.error is None, res.error
+        np.testing.assert_allclose(res.audio, alone(engine, r), rtol=0, atol=BATCH_ATOL, err_msg=r.text)
+    assert failed, f"no batch over {fits} tokens: {tried}"
+    assert len(failed) <= 2, (failed, tried)  # the first, and at most the batch begun beside it (VOCODER_PIPELINE)
+    assert all(cost <= fits for cost in tried[failed[-1]:]), tried
+    assert retried and max(retried) == MAX_BATCH // 2, retried  # halves of the failed batch, not its rows alone
+    assert "ran out of device memory" in caplog.text
+
+
+def test_the_token_budget_cuts_a_batch_and_puts_the_rest_back(monkeypatch):
+    """`_Vocoder.token_budget`: a batch holds at most that many padded speech tokens (rows x the
+    longest row's), one row at least; the rows cut go back to the front of their buckets, still pending,
+    and come next in their order."""
+    from types import SimpleNamespace
+
+    from voxbatch.worker.cosyvoice2 import streaming
+
+    sched = SimpleNamespace(engine=SimpleNamespace(flow_batch=8, max_batch=8), llm_rows=lambda: 0)
+    vocoder = streaming._Vocoder(sched)
+    rows = [SimpleNamespace(tokens=[0] * n, n=i) for i, n in enumerate((100, 110, 105, 120, 101, 102, 103, 104))]
+    for row in rows:
+        vocoder.put(row)
+    vocoder.token_budget = 3 * 120
+    got, _ = vocoder._next()
+    assert [r.n for r in got] == [0, 1, 2]  # 3 x 120 (the longest of all 8) tokens
+    assert vocoder.pending == 8
+    vocoder._done(got)
+    vocoder.token_budget = 50  # less than one row: the row goes alone
+    got, _ = vocoder._next()
+    assert [r.n for r in got] == [3]
+    vocoder._done(got)
+    vocoder.token_budget = None
+    got, _ = vocoder._next()
+    assert [r.n for r in got] == [4, 5, 6, 7] and not vocoder.buckets and vocoder.pending == 4
+
+
+def test_shrink_halves_the_failed_batch_and_never_raises_the_budget():
+    from types import SimpleNamespace
+
+    from voxbatch.worker.cosyvoice2 import streaming
+
+    sched = SimpleNamespace(engine=SimpleNamespace(flow_batch=8, max_batch=8), llm_rows=lambda: 0)
+    vocoder = streaming._Vocoder(sched)
+    vocoder._shrink([SimpleNamespace(tokens=[0] * n) for n in (90, 100, 80, 70)])
+    assert vocoder.token_budget == 200
+    vocoder._shrink([SimpleNamespace(tokens=[0] * 300)] * 4)  # a bigger batch that failed beside it
+    assert vocoder.token_budget == 200
+    vocoder._shrink([SimpleNamespace(tokens=[0] * 100)] * 2)
+    assert vocoder.token_budget == 100
+
+
+def test_drop_frames_lets_go_of_what_the_failed_attempt_held():
+    """The exception a failed batch raised keeps the frames it came through, and their tensors, alive
+    while the batch renders again in halves; `_drop_frames` lets them go (and those of what it chained)."""
+    import weakref
+
+    from voxbatch.worker.cosyvoice2 import streaming
+
+    refs = []
+
+    def attempt():
+        held = torch.zeros(4)
+        refs.append(weakref.ref(held))
+        try:
+            raise RuntimeError("CUBLAS_STATUS_ALLOC_FAILED")
+        except RuntimeError:
+            inner = torch.zeros(4)  # noqa: F841
+            refs.append(weakref.ref(inner))
+            raise torch.OutOfMemoryError("CUDA out of memory")
+
+    try:
+        attempt()
+    except torch.OutOfMemoryError as e:
+        kept = e
+    assert all(r() is not None for r in refs)
+    streaming._drop_frames(kept)
+    assert all(r() is None for r in refs)

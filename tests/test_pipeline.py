@@ -293,6 +293,28 @@ def test_is_engine_lost_is_only_a_cuda_kernel_fault():
     assert not is_engine_lost(ValueError("illegal memory access in the text"))
 
 
+def test_is_out_of_memory_reads_torch_and_library_allocation_failures_and_their_chain():
+    """torch's OutOfMemoryError and cuBLAS/cuDNN failing to allocate a workspace are the device out of
+    memory, also where another error was raised while handling one (a graph capture ended after it);
+    a kernel fault and other errors are not."""
+    import torch
+
+    from voxbatch.worker.engine import is_out_of_memory
+
+    assert is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB"))
+    assert is_out_of_memory(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"))
+    try:
+        try:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        except torch.OutOfMemoryError:
+            raise RuntimeError("operation failed due to a previous error during capture")
+    except RuntimeError as e:
+        assert is_out_of_memory(e)
+    assert not is_out_of_memory(torch.AcceleratorError("CUDA error: an illegal memory access was encountered"))
+    assert not is_out_of_memory(ValueError("text out of memory"))  # not a RuntimeError
+    assert not is_out_of_memory(RuntimeError("flow: CUDNN_STATUS_EXECUTION_FAILED"))
+
+
 def test_a_lost_device_stores_what_is_rendered_then_ends_the_process(tmp_path):
     """An engine whose device faults mid-job (a CUDA kernel fault: every later batch would fail too)
     does not fail segments one by one until their attempts are spent: what was rendered before is

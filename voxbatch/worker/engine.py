@@ -81,6 +81,24 @@ def is_engine_lost(e: BaseException) -> bool:
     return isinstance(e, kinds) and "CUDA error" in str(e) and any(m in str(e) for m in _DEVICE_FAULTS)
 
 
+# What an allocation failure on the device says where it does not come as torch.OutOfMemoryError (cuBLAS and
+# cuDNN allocating their workspaces): the batch was too big for the memory free at that moment, not broken.
+_OUT_OF_MEMORY = ("out of memory", "ALLOC_FAILED")
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """Whether `e`, or an exception it was raised while handling (a CUDA graph capture ended after an
+    allocation failed in it), is the device running out of memory: the same rows fit in smaller batches."""
+    torch = sys.modules.get("torch")
+    oom = getattr(torch, "OutOfMemoryError", None)
+    seen = 0
+    while e is not None and seen < 8:
+        if (oom is not None and isinstance(e, oom)) or (isinstance(e, RuntimeError) and any(m in str(e) for m in _OUT_OF_MEMORY)):
+            return True
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return False
+
+
 class Engine(ABC):
     name: str
     sample_rate: int

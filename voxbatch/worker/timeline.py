@@ -42,7 +42,8 @@ from collections.abc import Callable, Iterator
 log = logging.getLogger("voxbatch.timeline")
 log.setLevel(logging.WARNING)  # off until `configure(True)`
 LINE = re.compile(r"timeline (\w+) (\d+) ([0-9.]+)$")
-EVENTS = ("admit", "llm_session", "llm_refill", "vocoder_first_row", "llm_done", "vocode_start", "vocode_end")
+# `vocode_oom`: a flow/HiFT batch ran out of device memory (count = its rows; it renders again in halves).
+EVENTS = ("admit", "llm_session", "llm_refill", "vocoder_first_row", "llm_done", "vocode_start", "vocode_end", "vocode_oom")
 GC_EVENTS = ("gc1", "gc2")  # count = the pause in milliseconds
 # The LLM thread's host time (count = milliseconds) to take segments in (the pipeline's attempt count
 # and the engine's item for each) and to place them in cache rows (checks and prefill launches): no

@@ -44,6 +44,7 @@ from voxbatch.worker.cosyvoice2.checkpoint import ModelDirError, check_keys, emp
 from voxbatch.worker.cosyvoice2.flow_encoder import EncoderDims, UpsampleConformerEncoder, length_mask
 from voxbatch.worker.cosyvoice2.flow_estimator import CausalConditionalDecoder, EstimatorDims
 from voxbatch.worker.cosyvoice2.h2d import split_lengths, to_device
+from voxbatch.worker.engine import is_out_of_memory
 
 log = logging.getLogger(__name__)
 
@@ -316,6 +317,8 @@ class _StepGraph:
         try:
             cuda_graphs.capture(graph, slot["stream"], slot["pool"], lambda: cfm._step(x, t_in, dt_in, branches, streaming))
         except Exception as e:  # noqa: BLE001 - the eager steps still work
+            if is_out_of_memory(e):  # this batch is too big for the memory free now, not graphs broken
+                raise
             if first:
                 log.warning("flow step CUDA graph before an eager step failed (%s: %s); each batch's first step "
                             "runs eagerly again", type(e).__name__, e)

@@ -43,6 +43,7 @@ from voxbatch.worker.cosyvoice2.derived import DerivedWeight
 from voxbatch.worker.cosyvoice2.h2d import host_lengths, split_lengths, to_device
 from voxbatch.worker.cosyvoice2.lazy_kernel import channels_last, interpreting
 from voxbatch.worker.cosyvoice2.checkpoint import ModelDirError, check_keys, empty_init, load_state_dict, read_config, section
+from voxbatch.worker.engine import is_out_of_memory
 
 log = logging.getLogger(__name__)
 
@@ -265,6 +266,8 @@ class _RowGraph:
             g.graph = torch.cuda.CUDAGraph()
             cuda_graphs.capture(g.graph, slot["stream"], slot["pool"], lambda: g._outputs(hift))
         except Exception as e:  # noqa: BLE001 - the eager F0 still works
+            if is_out_of_memory(e):  # this batch is too big for the memory free now, not graphs broken
+                raise
             log.warning("F0 CUDA graph unavailable (%s: %s); F0 runs eagerly", type(e).__name__, e)
             _f0_graphs_failed = True
             return None

@@ -22,7 +22,8 @@ measured against its alternative in one H200 run (BENCHMARKS.md, "This round's c
 The Pipeline's contract (`Engine.serve`) holds: `admit` is called on what is taken from the intake
 before it renders (attempts are counted there); a `solo` request (a suspect) renders with nothing else
 in flight, in the LLM or in flow/HiFT; if the LLM fails, what it was decoding is rendered again one
-request at a time, and a failing flow/HiFT batch is retried row by row, so one bad segment fails alone;
+request at a time, and a failing flow/HiFT batch is retried row by row, so one bad segment fails alone
+(one that ran out of device memory in halves instead, and later batches are kept within what fit);
 `emit` blocking (a full output queue) stops the intake from being taken; `stop` or a None in the intake
 ends the loop once what is in flight is emitted. `observe(size, audio_s, wall_s)` hears of every
 flow/HiFT batch.
@@ -40,7 +41,7 @@ from contextlib import ExitStack
 import torch
 
 from voxbatch.worker import timeline
-from voxbatch.worker.engine import SynthesisRequest, SynthesisResult, is_engine_lost
+from voxbatch.worker.engine import SynthesisRequest, SynthesisResult, is_engine_lost, is_out_of_memory
 
 log = logging.getLogger(__name__)
 
@@ -312,6 +313,12 @@ class _Vocoder:
         self.draining = 0
         self.closing = False
         self.last_observed = time.perf_counter()
+        # The most padded speech tokens (rows x the longest row's tokens) a batch may hold: None until a
+        # batch runs out of device memory, then half of that batch's (`_shrink`). Why: flow_batch comes
+        # from the LLM's rows, not from what flow and HiFT hold, and a card with less free memory than
+        # the one measured (or long rows, whose activations grow with their length and the encoder's
+        # scores with its square) would otherwise fail such batches on every job, each retried row by row.
+        self.token_budget: int | None = None
         flow = getattr(sched.engine, "flow", None)
         self.flow_device = flow.encoder_proj.weight.device if flow is not None else None  # None: an engine without one
         n = getattr(sched.engine, "vocoder_threads", None)
@@ -372,7 +379,7 @@ class _Vocoder:
                 got = self._choose(time.perf_counter(), primary)
                 if got is not None:
                     self.rendering += 1
-                    return got
+                    return self._fit(*got)
                 if not wait or not self.buckets and self.closing:
                     return None
                 self.cv.wait(timeout=0.02 if self.buckets else 0.2)
@@ -397,6 +404,31 @@ class _Vocoder:
         if key is None:
             return None
         return self._half_of_last(key) or (self.buckets.pop(key), self.since.pop(key))
+
+    def _fit(self, batch: list, started: float) -> tuple[list, float]:
+        """The batch cut to `token_budget` (one row at least); the rows cut go back to the front of
+        their buckets, pending still (under the lock)."""
+        if self.token_budget is None or len(batch) < 2:
+            return batch, started
+        longest = max(len(item.tokens) for item in batch)
+        keep = max(1, self.token_budget // max(1, longest))
+        for item in reversed(batch[keep:]):
+            key = length_bucket(len(item.tokens))
+            self.buckets.setdefault(key, []).insert(0, item)
+            self.since[key] = min(self.since.get(key, started), started)
+        return batch[:keep], started
+
+    def _shrink(self, batch: list) -> None:
+        """A batch ran out of device memory: later batches hold at most half of its padded tokens."""
+        tokens = len(batch) * max(len(item.tokens) for item in batch)
+        with self.cv:
+            if self.token_budget is not None and self.token_budget <= tokens // 2:
+                return  # another thread lowered it already, as far or further
+            self.token_budget = max(1, tokens // 2)
+        timeline.event("vocode_oom", len(batch))
+        log.warning("a flow/HiFT batch of %d rows (%d padded speech tokens) ran out of device memory; it is "
+                    "rendered in halves and batches hold at most %d tokens from now on", len(batch), tokens,
+                    self.token_budget)
 
     def _partial(self, now: float, primary: bool = True) -> int | None:
         """The bucket to run before it is full (the vocoder is idle here), or None to wait: the longest
@@ -537,8 +569,8 @@ class _Vocoder:
         return batch, started, began, launched
 
     def _finish(self, batch: list, started: float, began: float, launched) -> None:
-        """Wait for a launched batch's audio and emit it; a failed batch is retried row by row, so one
-        bad segment fails alone. Its rows stop counting as pending whatever happens."""
+        """Wait for a launched batch's audio and emit it; a failed batch is rendered again (`_retry`).
+        Its rows stop counting as pending whatever happens."""
         s = self.s
         try:
             try:
@@ -546,14 +578,7 @@ class _Vocoder:
                     raise launched
                 results = launched.results()
             except Exception as e:  # noqa: BLE001
-                results = []
-                for item in batch:
-                    try:
-                        if len(batch) == 1 or is_engine_lost(e):  # a lost engine fails every row alike
-                            raise e
-                        results += list(s.engine.vocode([item]))
-                    except Exception as e1:  # noqa: BLE001
-                        results.append(SynthesisResult.failed(item.request, e1))
+                results = self._retry(batch, e)
             timeline.event("vocode_ms", round(1000 * (time.perf_counter() - began)))  # rendered, before the emits
             audio_s = 0.0
             for r in results:
@@ -569,12 +594,40 @@ class _Vocoder:
         finally:
             self._done(batch)
 
+    def _retry(self, batch: list, e: Exception) -> list[SynthesisResult]:
+        """The results of a batch that raised `e`, rendered again: in halves after the device ran out of
+        memory (each half again so, and `token_budget` lowered), else row by row so that one bad segment
+        fails alone; a single row, or every row of a lost engine, fails with `e`."""
+        if len(batch) == 1 or is_engine_lost(e):
+            return [SynthesisResult.failed(item.request, e) for item in batch]
+        if is_out_of_memory(e):
+            _drop_frames(e)  # the failed attempt's tensors, held by its traceback's frames, go back to the allocator
+            self._shrink(batch)
+            half = len(batch) // 2
+            parts = [batch[:half], batch[half:]]
+        else:
+            parts = [[item] for item in batch]
+        results: list[SynthesisResult] = []
+        for part in parts:
+            try:
+                results += list(self.s.engine.vocode(part))
+            except Exception as e1:  # noqa: BLE001
+                results += self._retry(part, e1)
+        return results
+
     def _done(self, batch: list) -> None:
         """A batch taken by `_next` is out of the vocoder (emitted, failed or abandoned)."""
         with self.cv:
             self.pending -= len(batch)
             self.rendering -= 1
             self.cv.notify_all()
+
+
+def _drop_frames(e: BaseException | None) -> None:
+    """Let go of the frames `e` and the exceptions chained to it were raised through (their locals)."""
+    while e is not None:
+        e.__traceback__ = None
+        e = e.__cause__ or e.__context__
 
 
 class _LaunchGate:
