@@ -447,7 +447,8 @@ RUN_KEYS = {"rows": "engine_max_batch", "flow": "engine_flow_batch", "task": "ba
             "format": "output_format", "gil": "gil_switch_interval_ms", "vocoders": "engine_vocoder_threads",
             "backend": "llm_backend", "process": "vllm_engine_process", "async": "vllm_async_scheduling",
             "vgraphs": "vllm_cudagraph_max_tokens", "vmode": "vllm_cudagraph_mode", "vgroup": "vllm_admit_group",
-            "vpriority": "vllm_stream_priority", "vengines": "vllm_engines", "mps": "cuda_mps"}
+            "vpriority": "vllm_stream_priority", "vengines": "vllm_engines", "mps": "cuda_mps",
+            "card": "engine_gpu_memory_gib"}
 LAUNCHER_KEYS = ("mps",)  # read by `voxbatch worker`'s launcher, not by the engine: the worker stage only
 VLLM_RUN_KEYS = ("process", "async", "vgraphs", "vmode", "vgroup", "vpriority", "vengines", "mps")  # the keys a --vllm-runs spec may set
 

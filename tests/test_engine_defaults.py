@@ -86,3 +86,38 @@ def test_a_cpu_engine_left_to_itself_takes_the_cpu_rows(tiny_model_dir, tmp_path
     assert explicit.max_batch == explicit.llm.model.cache_shape[0] == 5
     assert LlmDims.from_model_dir(tiny_model_dir) == engine.llm.model.dims
     assert ToneEngine().max_batch == ToneEngine.ROWS and ToneEngine(max_batch=3).max_batch == 3
+
+
+def test_a_memory_cap_is_refused_at_zero_and_changes_nothing_on_a_cpu():
+    import pydantic
+    import pytest
+
+    from voxbatch.worker.cosyvoice2.engine import cap_gpu_memory
+
+    with pytest.raises(pydantic.ValidationError, match="engine_gpu_memory_gib"):
+        Settings(engine_gpu_memory_gib=0)
+    cpu = Placement("cpu", "cpu", "cpu", torch.float32, torch.float32, torch.float32)
+    assert cap_gpu_memory(cpu, 24) is None and cap_gpu_memory(gpu(), None) is None
+
+
+def test_a_memory_cap_holds_torch_within_it_and_sizes_the_rows_on_gpu():
+    """Settings.engine_gpu_memory_gib on a GPU: torch allocates no more than the cap (out of memory past
+    it, which the vocoder answers with smaller batches), and the rows are sized from what the cap leaves."""
+    import pytest
+
+    from voxbatch.worker.cosyvoice2.engine import cap_gpu_memory
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    try:
+        free = cap_gpu_memory(gpu(), 2.0)
+        assert free is not None and free <= 2 * GIB
+        small = torch.empty(GIB // 2, dtype=torch.uint8, device="cuda")
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.empty(2 * GIB, dtype=torch.uint8, device="cuda")
+        del small
+        per_row = full_size_kv_bytes_per_row(torch.bfloat16)
+        assert llm_rows(gpu(), per_row, free) == CPU_ROWS  # 2 GiB: the fewest rows
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, 0)
+        torch.cuda.empty_cache()

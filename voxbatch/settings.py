@@ -136,6 +136,12 @@ class Settings(BaseSettings):
     # Most rows in one flow + HiFT batch (length-bucketed). Unset: half the engine's LLM rows, at most
     # 128 (the fastest measured on an H200: 128 rows on 256 LLM rows, bench/results/h200_probe1.json).
     engine_flow_batch: int | None = Field(None, ge=1)
+    # Most GPU memory (GiB) the engine's torch side may take on each GPU it runs on (torch's per-process
+    # fraction of the card): to share a card with another process, or to let a big card stand in for a
+    # smaller one. None: the whole card. The torch backend's rows are sized within it (`llm_rows`), and a
+    # flow/HiFT batch that does not fit renders again in halves, later batches kept within what fit
+    # (streaming._Vocoder.token_budget). vLLM's own share is vllm_gpu_memory_utilization.
+    engine_gpu_memory_gib: float | None = Field(None, gt=0)
     # Threads that run flow + HiFT batches, each on its own CUDA stream, so one batch's host work and
     # small kernels overlap another's. None: 2 with flow on a GPU (engine 261.2x vs 247.1x with one
     # on an H200, 2.5 GiB more peak memory, bench/results/gpu_h200_vocoders1.json), 1 on a CPU. Set 1

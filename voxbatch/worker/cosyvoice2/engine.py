@@ -115,6 +115,24 @@ def llm_rows(placement: Placement, kv_bytes_per_row: int | None, free_bytes: int
     return rows
 
 
+def cap_gpu_memory(placement: Placement, gib: float | None) -> int | None:
+    """Hold torch's allocations on each of the placement's GPUs within `gib` (Settings.engine_gpu_memory_gib);
+    the bytes the LLM's GPU then has free for the engine (what `llm_rows` sizes the rows from), or None
+    where nothing is capped (no cap, or the LLM not on a GPU)."""
+    if gib is None:
+        return None
+    free = None
+    for name in dict.fromkeys((placement.llm_device, placement.flow_device, placement.hift_device)):
+        device = torch.device(name)
+        if device.type != "cuda":
+            continue
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, gib * 2**30 / total), device)
+        if name == placement.llm_device:
+            free = min(torch.cuda.mem_get_info(device)[0], max(0, int(gib * 2**30) - torch.cuda.memory_reserved(device)))
+    return free
+
+
 # HiFT batches are padded to a multiple of this many mel frames (rows carry their lengths, so padding
 # changes no output). cuDNN builds an execution plan for each new convolution shape and PyTorch keeps
 # them per exact shape: at the width of each batch's longest row nearly every HiFT batch meets new
@@ -422,8 +440,9 @@ class CosyVoice2Engine(Engine):
         dims = LlmDims.from_model_dir(model_dir)
         if llm_backend not in ("torch", "vllm"):
             raise ValueError(f"unknown llm_backend {llm_backend!r} (torch or vllm)")
+        free = cap_gpu_memory(p, settings.engine_gpu_memory_gib if settings is not None else None)
         if max_batch is None:
-            max_batch = llm_rows(p, dims.kv_cache_bytes(1, MAX_SEQ, p.llm_dtype) if llm_backend == "torch" else None)
+            max_batch = llm_rows(p, dims.kv_cache_bytes(1, MAX_SEQ, p.llm_dtype) if llm_backend == "torch" else None, free)
         if flow_batch is None:
             flow_batch = flow_rows(max_batch)
         if llm_backend == "torch":
