@@ -625,7 +625,9 @@ class _Vocoder:
 
 def _drop_frames(e: BaseException | None) -> None:
     """Let go of the frames `e` and the exceptions chained to it were raised through (their locals)."""
-    while e is not None:
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
         e.__traceback__ = None
         e = e.__cause__ or e.__context__
 
