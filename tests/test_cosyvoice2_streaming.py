@@ -699,7 +699,7 @@ def test_a_batch_out_of_device_memory_renders_in_halves_and_later_batches_fit(en
     """A flow/HiFT batch that runs out of device memory (torch.OutOfMemoryError, raised here wherever the
     batch is bigger than a card could hold) is rendered again in halves, not row by row, and the
     vocoder keeps later batches within half of what failed: every segment sounds as alone, and once a
-    batch has failed no batch bigger than what fit is tried again, beyond those already begun."""
+    batch has failed (one vocoder thread here) no batch bigger than what fit is tried again."""
     from voxbatch.worker.cosyvoice2 import streaming
 
     monkeypatch.setattr(streaming, "IDLE_BATCH_DIV", 1)
@@ -731,7 +731,7 @@ def test_a_batch_out_of_device_memory_renders_in_halves_and_later_batches_fit(en
         assert res.error is None, res.error
         np.testing.assert_allclose(res.audio, alone(engine, r), rtol=0, atol=BATCH_ATOL, err_msg=r.text)
     assert failed, f"no batch over {fits} tokens: {tried}"
-    assert len(failed) <= 2, (failed, tried)  # the first, and at most the batch begun beside it (VOCODER_PIPELINE)
+    assert len(failed) == 1, (failed, tried)  # the budget came down before the next batch was chosen
     assert all(cost <= fits for cost in tried[failed[-1]:]), tried
     assert retried and max(retried) == MAX_BATCH // 2, retried  # halves of the failed batch, not its rows alone
     assert "ran out of device memory" in caplog.text
@@ -805,3 +805,27 @@ def test_drop_frames_lets_go_of_what_the_failed_attempt_held():
     assert all(r() is not None for r in refs)
     streaming._drop_frames(kept)
     assert all(r() is None for r in refs)
+
+
+def test_a_batch_failing_out_of_memory_lowers_the_budget_when_it_fails():
+    """`_failed`, where a batch's queueing raised: out of device memory, the budget comes down and the
+    attempt's frames are let go right then (a thread may choose and begin another batch before it
+    renders this one again); any other error is kept as it is."""
+    from types import SimpleNamespace
+
+    from voxbatch.worker.cosyvoice2 import streaming
+
+    sched = SimpleNamespace(engine=SimpleNamespace(flow_batch=8, max_batch=8), llm_rows=lambda: 0)
+    vocoder = streaming._Vocoder(sched)
+    batch = [SimpleNamespace(tokens=[0] * 100)] * 4
+
+    def raised(e: Exception) -> Exception:
+        try:
+            raise e
+        except Exception as caught:  # noqa: BLE001
+            return caught
+
+    other = raised(RuntimeError("CUDNN_STATUS_EXECUTION_FAILED"))
+    assert vocoder._failed(batch, other) is other and other.__traceback__ is not None and vocoder.token_budget is None
+    oom = raised(torch.OutOfMemoryError("CUDA out of memory"))
+    assert vocoder._failed(batch, oom) is oom and oom.__traceback__ is None and vocoder.token_budget == 200

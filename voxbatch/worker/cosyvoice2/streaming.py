@@ -538,8 +538,8 @@ class _Vocoder:
         began = time.perf_counter()
         try:
             begun = self.s.engine.vocode_begin(batch)
-        except Exception as e:  # noqa: BLE001 - retried row by row in _finish
-            begun = e
+        except Exception as e:  # noqa: BLE001 - rendered again in _finish
+            begun = self._failed(batch, e)
         return batch, started, began, begun
 
     def _steps(self, entry: tuple) -> tuple:
@@ -548,8 +548,8 @@ class _Vocoder:
         if not isinstance(begun, Exception):
             try:
                 begun.finish()
-            except Exception as e:  # noqa: BLE001 - retried row by row in _finish
-                begun = e
+            except Exception as e:  # noqa: BLE001 - rendered again in _finish
+                begun = self._failed(batch, e)
         return batch, started, began, begun
 
     def _launch(self, batch: list, started: float, began: float | None = None, begun=None) -> tuple:
@@ -564,8 +564,8 @@ class _Vocoder:
         try:
             with gate:
                 launched = self.s.engine.vocode_launch(batch, queued=gate.release, begun=begun)
-        except Exception as e:  # noqa: BLE001 - retried row by row in _finish
-            launched = e
+        except Exception as e:  # noqa: BLE001 - rendered again in _finish
+            launched = self._failed(batch, e)
         return batch, started, began, launched
 
     def _finish(self, batch: list, started: float, began: float, launched) -> None:
@@ -593,6 +593,15 @@ class _Vocoder:
             self.last_observed = now
         finally:
             self._done(batch)
+
+    def _failed(self, batch: list, e: Exception) -> Exception:
+        """`e`, raised while queueing `batch`, kept for `_finish`; out of device memory, the failed attempt's
+        tensors go back to the allocator and the budget comes down at once, before this thread or the other
+        chooses and begins another batch."""
+        if is_out_of_memory(e) and len(batch) > 1:
+            _drop_frames(e)
+            self._shrink(batch)
+        return e
 
     def _retry(self, batch: list, e: Exception) -> list[SynthesisResult]:
         """The results of a batch that raised `e`, rendered again: in halves after the device ran out of
