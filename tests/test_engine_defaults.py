@@ -121,3 +121,21 @@ def test_a_memory_cap_holds_torch_within_it_and_sizes_the_rows_on_gpu():
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, 0)
         torch.cuda.empty_cache()
+
+
+def test_running_out_of_memory_while_loading_under_a_cap_names_the_setting():
+    """A cap below what the model needs is bad input: the load's out-of-memory error comes back as a
+    ValueError naming VOXBATCH_ENGINE_GPU_MEMORY_GIB; without a cap, or for other errors, nothing changes."""
+    import pytest
+
+    from voxbatch.worker.cosyvoice2.engine import loading_within
+
+    with pytest.raises(ValueError, match=r"VOXBATCH_ENGINE_GPU_MEMORY_GIB=1.5 is too little GPU memory"):
+        with loading_within(1.5):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore detail")
+    with pytest.raises(torch.OutOfMemoryError):
+        with loading_within(None):
+            raise torch.OutOfMemoryError("CUDA out of memory")
+    with pytest.raises(KeyError):
+        with loading_within(1.5):
+            raise KeyError("llm.pt")

@@ -86,17 +86,21 @@ def is_engine_lost(e: BaseException) -> bool:
 _OUT_OF_MEMORY = ("out of memory", "ALLOC_FAILED")
 
 
+def exception_chain(e: BaseException | None) -> Iterator[BaseException]:
+    """`e`, then what it was raised from or while handling, and so on, each once."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        yield e
+        e = e.__cause__ or e.__context__
+
+
 def is_out_of_memory(e: BaseException) -> bool:
     """Whether `e`, or an exception it was raised while handling (a CUDA graph capture ended after an
     allocation failed in it), is the device running out of memory: the same rows fit in smaller batches."""
-    torch = sys.modules.get("torch")
-    oom = getattr(torch, "OutOfMemoryError", None)
-    seen = 0
-    while e is not None and seen < 8:
-        if (oom is not None and isinstance(e, oom)) or (isinstance(e, RuntimeError) and any(m in str(e) for m in _OUT_OF_MEMORY)):
-            return True
-        e, seen = e.__cause__ or e.__context__, seen + 1
-    return False
+    oom = getattr(sys.modules.get("torch"), "OutOfMemoryError", None)
+    return any((oom is not None and isinstance(x, oom)) or (isinstance(x, RuntimeError) and any(m in str(x) for m in _OUT_OF_MEMORY))
+               for x in exception_chain(e))
 
 
 class Engine(ABC):

@@ -45,7 +45,7 @@ from voxbatch.worker.cosyvoice2.hift import HiFTGenerator
 from voxbatch.worker.cosyvoice2.hub import resolve_model_dir
 from voxbatch.worker.cosyvoice2.llm_backend import LlmBackend, LlmRequest
 from voxbatch.tokenizer import CosyVoice2Tokenizer
-from voxbatch.worker.engine import Engine, SynthesisRequest, SynthesisResult
+from voxbatch.worker.engine import Engine, SynthesisRequest, SynthesisResult, is_out_of_memory
 from voxbatch.worker.cosyvoice2.streaming import StreamingScheduler, length_bucket
 
 log = logging.getLogger(__name__)
@@ -131,6 +131,19 @@ def cap_gpu_memory(placement: Placement, gib: float | None) -> int | None:
         if name == placement.llm_device:
             free = min(torch.cuda.mem_get_info(device)[0], max(0, int(gib * 2**30) - torch.cuda.memory_reserved(device)))
     return free
+
+
+@contextlib.contextmanager
+def loading_within(gib: float | None):
+    """An engine that runs out of device memory while it loads under Settings.engine_gpu_memory_gib: a
+    ValueError naming the setting (bad input: the cap is below what the model needs), not torch's error."""
+    try:
+        yield
+    except Exception as e:
+        if gib is not None and is_out_of_memory(e):
+            raise ValueError(f"VOXBATCH_ENGINE_GPU_MEMORY_GIB={gib:g} is too little GPU memory to load the engine "
+                             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
+        raise
 
 
 # HiFT batches are padded to a multiple of this many mel frames (rows carry their lengths, so padding
@@ -410,15 +423,16 @@ class CosyVoice2Engine(Engine):
 
         model_dir = resolve_model_dir(settings.model_dir)
         storage = open_storage(settings)
-        return cls.from_model_dir(
-            model_dir,
-            load_voice=lambda name: load_voice(storage, name),
-            placement=Placement.from_settings(settings),
-            llm_backend=settings.llm_backend,
-            max_batch=settings.engine_max_batch,  # None: llm_rows picks
-            flow_batch=settings.engine_flow_batch,  # None: flow_rows picks
-            settings=settings.model_copy(update={"model_dir": str(model_dir)}),
-        )
+        with loading_within(settings.engine_gpu_memory_gib):
+            return cls.from_model_dir(
+                model_dir,
+                load_voice=lambda name: load_voice(storage, name),
+                placement=Placement.from_settings(settings),
+                llm_backend=settings.llm_backend,
+                max_batch=settings.engine_max_batch,  # None: llm_rows picks
+                flow_batch=settings.engine_flow_batch,  # None: flow_rows picks
+                settings=settings.model_copy(update={"model_dir": str(model_dir)}),
+            )
 
     @classmethod
     def from_model_dir(

@@ -41,7 +41,7 @@ from contextlib import ExitStack
 import torch
 
 from voxbatch.worker import timeline
-from voxbatch.worker.engine import SynthesisRequest, SynthesisResult, is_engine_lost, is_out_of_memory
+from voxbatch.worker.engine import SynthesisRequest, SynthesisResult, exception_chain, is_engine_lost, is_out_of_memory
 
 log = logging.getLogger(__name__)
 
@@ -610,8 +610,7 @@ class _Vocoder:
         if len(batch) == 1 or is_engine_lost(e):
             return [SynthesisResult.failed(item.request, e) for item in batch]
         if is_out_of_memory(e):
-            _drop_frames(e)  # the failed attempt's tensors, held by its traceback's frames, go back to the allocator
-            self._shrink(batch)
+            self._failed(batch, e)  # a failure while waiting for the audio has not been through it yet
             half = len(batch) // 2
             parts = [batch[:half], batch[half:]]
         else:
@@ -634,11 +633,8 @@ class _Vocoder:
 
 def _drop_frames(e: BaseException | None) -> None:
     """Let go of the frames `e` and the exceptions chained to it were raised through (their locals)."""
-    seen: set[int] = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        e.__traceback__ = None
-        e = e.__cause__ or e.__context__
+    for x in list(exception_chain(e)):
+        x.__traceback__ = None
 
 
 class _LaunchGate:
