@@ -474,3 +474,58 @@ def test_a_worker_with_vllm_engines_that_cannot_run_is_refused_before_it_starts(
     line and exits 2 before any worker process starts (not a worker failing at its engine, restarted in a loop)."""
     proc = cli({**settings, "VOXBATCH_LLM_BACKEND": "vllm"}, "worker", timeout=60)
     one_line_error(proc, 2, *names)
+
+
+def test_a_worker_given_an_incomplete_model_folder_is_refused_before_it_starts(tmp_path):
+    """`voxbatch worker --model-dir` checks the folder itself: one line naming what is missing, exit 2,
+    before any worker process starts."""
+    proc = cli({}, "worker", "--engine", "cosyvoice2", "--model-dir", str(tmp_path), timeout=60)
+    one_line_error(proc, 2, str(tmp_path), "cosyvoice2.yaml", "llm.pt", "flow.pt", "hift.pt")
+
+
+def unloadable_model_dir(folder: Path) -> Path:
+    """Every file the worker's check looks for, none of them loadable: it fails only in the worker
+    process, while the engine is built."""
+    folder.mkdir()
+    for name in ("llm.pt", "flow.pt", "hift.pt"):
+        (folder / name).write_bytes(b"")
+    (folder / "cosyvoice2.yaml").write_text("llm: [\n")
+    (folder / "CosyVoice-BlankEN").mkdir()
+    return folder
+
+
+def test_a_worker_that_cannot_build_its_engine_ends_with_one_line_and_is_not_restarted(tmp_path):
+    """A model folder that passes the launcher's check but cannot be loaded: each worker process logs
+    one `cannot start` line naming the folder and exits 2; the launcher stops the other, says why, does
+    not restart either, and exits 2 (every restart would meet the same folder). No traceback, and the
+    broker URL's password is in no line."""
+    folder = unloadable_model_dir(tmp_path / "model")
+    env = {"VOXBATCH_BROKER_URL": "redis://:hunter2@127.0.0.1:1/0"}
+    began = time.monotonic()
+    proc = cli(env, "worker", "--gpus", "0,1", "--engine", "cosyvoice2", "--model-dir", str(folder), timeout=120)
+    everything = proc.stdout + proc.stderr
+    assert proc.returncode == 2, everything
+    assert "Traceback" not in everything and "hunter2" not in everything, everything
+    starts = [ln for ln in proc.stderr.splitlines() if "cannot start:" in ln]
+    assert starts and all(str(folder) in ln for ln in starts), everything
+    assert "not restarting" in proc.stderr and "restarting in" not in proc.stderr, everything
+    assert time.monotonic() - began < 60, everything
+
+
+@pytest.mark.parametrize("settings, names", [
+    ({"VOXBATCH_ENGINE_GPU_MEMORY_GIB": "lots"}, ["bad Settings", "engine_gpu_memory_gib"]),
+    ({"VOXBATCH_ENGINE": "cosyvoice2"}, ["cannot start", "incomplete", "cosyvoice2.yaml"]),
+])
+def test_a_worker_process_that_cannot_start_exits_2_with_one_line(tmp_path, settings, names):
+    """The container entry point (`python -m voxbatch.worker.main`, no launcher in front): a bad setting
+    or a model folder it cannot use is one critical line naming it and exit 2, no traceback, no secret."""
+    (tmp_path / "model").mkdir()
+    env = {**BASE_ENV, **NO_AMBIENT_AWS, "VOXBATCH_MODEL_DIR": str(tmp_path / "model"),
+           "VOXBATCH_BROKER_URL": "redis://:hunter2@127.0.0.1:1/0", **settings}
+    proc = subprocess.run([sys.executable, "-m", "voxbatch.worker.main"], env=env, cwd=services.REPO,
+                          capture_output=True, text=True, timeout=120)
+    everything = proc.stdout + proc.stderr
+    assert proc.returncode == 2, everything
+    assert "Traceback" not in everything and "hunter2" not in everything, everything
+    critical = [ln for ln in everything.splitlines() if " CRITICAL " in ln]
+    assert len(critical) == 1 and all(n in critical[0] for n in names), everything

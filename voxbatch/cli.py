@@ -22,7 +22,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from voxbatch.settings import Settings, load_settings
+from voxbatch.settings import Settings, load_settings, validation_problems
 
 app = typer.Typer(help="voxbatch: distributed batch text-to-speech (CosyVoice2) to S3-compatible storage.",
                   no_args_is_help=True, pretty_exceptions_enable=False)
@@ -52,12 +52,6 @@ def _warn(message: str) -> None:
     err.print(f"[yellow]warning:[/yellow] {_line(message)}", soft_wrap=True)
 
 
-def _validation(e) -> str:
-    """A pydantic ValidationError as `field: problem; ...`, without the input values (a broker URL may
-    hold a password)."""
-    return "; ".join(f"{'.'.join(str(p) for p in d['loc']) or 'value'}: {d['msg']}" for d in e.errors())
-
-
 def explain(e: BaseException) -> tuple[int, str]:
     """(exit code, one-line message) for an exception that reached the top of a command."""
     import redis
@@ -66,7 +60,7 @@ def explain(e: BaseException) -> tuple[int, str]:
     from voxbatch.storage import StorageError
 
     if isinstance(e, ValidationError):
-        return EXIT_BAD, f"bad {e.title}: {_validation(e)}"
+        return EXIT_BAD, validation_problems(e)
     if isinstance(e, redis.AuthenticationError) or (
             isinstance(e, redis.ResponseError) and str(e).startswith(("NOAUTH", "WRONGPASS"))):
         return EXIT_BAD, f"Redis refused the credentials in VOXBATCH_BROKER_URL ({e})"
@@ -326,6 +320,10 @@ def worker(gpus: Optional[str] = typer.Option(None, help="comma-separated GPU id
 
     flags = {"engine": engine, "llm_backend": llm_backend, "model_dir": str(model_dir) if model_dir else None}
     settings = load_settings(**flags)  # validate here, before any process starts
+    if settings.engine == "cosyvoice2" and settings.model_dir is not None:
+        from voxbatch.worker.cosyvoice2.hub import check_model_dir
+
+        check_model_dir(settings.model_dir)  # a missing file is one line now, not a worker that cannot start
     env = {f"VOXBATCH_{k.upper()}": v for k, v in flags.items() if v is not None}
     ids = [g.strip() for g in gpus.split(",") if g.strip()] if gpus else None
     try:

@@ -280,6 +280,13 @@ class Settings(BaseSettings):
         return self
 
 
+def validation_problems(e) -> str:
+    """A pydantic ValidationError as `bad Settings: field: problem; ...`, without the input values (a
+    broker URL may hold a password): what the CLI and a worker that cannot start print."""
+    problems = "; ".join(f"{'.'.join(str(p) for p in d['loc']) or 'value'}: {d['msg']}" for d in e.errors())
+    return f"bad {e.title}: {problems}"
+
+
 def load_settings(**overrides) -> Settings:
     """Settings from the environment, with explicit overrides (from CLI flags) on top."""
     return Settings(**{k: v for k, v in overrides.items() if v is not None})

@@ -12,7 +12,9 @@ and the per-segment attempt counter in Redis ends a poison task's loop. SIGTERM/
 on: each child stops taking tasks, gives its in-flight segments the shutdown window, hands back
 what is unfinished (worker/main.py), and the launcher exits when all children have; a child still
 running `stop_wait_s` after the signal (its window, its grace and a margin) is killed, and the
-launcher then exits 1. Each child also gets SIGTERM when the launcher dies, even by SIGKILL
+launcher then exits 1. A child that exits with `BAD_START_EXIT` could not start with the settings
+and files it was given (worker/main.py): every restart would fail the same way, so the launcher stops
+the other children and exits 2 instead of restarting it. Each child also gets SIGTERM when the launcher dies, even by SIGKILL
 (worker/main.py, `die_with_launcher`), so no worker outlives it holding its GPU.
 
 Each child leads a process group of its own, and whatever is left in that group when the child has
@@ -39,6 +41,10 @@ from voxbatch.worker.mps import MpsDaemon
 HEALTHY_S = 60.0
 # How long a dead child's leftover processes get to disappear after SIGKILL before the launcher goes on.
 REAP_WAIT_S = 10.0
+# Exit status of a worker process that cannot start with its settings and files: a bad setting, a missing
+# or incomplete model folder, a GPU memory cap below what the engine needs (worker/main.py). Not
+# restarted: a restart meets the same input. 2, the CLI's exit status for bad input.
+BAD_START_EXIT = 2
 # Each child's environment names the launcher's pid here; the child stops itself when that process dies.
 LAUNCHER_PID_ENV = "VOXBATCH_LAUNCHER_PID"
 # Past a child's shutdown window and grace (worker/main.py), how long its exit may take (closing its
@@ -137,6 +143,7 @@ def _supervise(gpus: list[str] | None, concurrency: int | None, queues: str | No
     # terminal's SIGHUP, so the launcher stops them as it would on SIGTERM instead of leaving them running.
     signal.signal(signal.SIGHUP, lambda _signum, frame: _forward(signal.SIGTERM, frame))
     restarts = {slot: 0 for slot in slots}
+    exit_code = 0
     while True:
         time.sleep(0.5)
         if stopping:
@@ -150,7 +157,7 @@ def _supervise(gpus: list[str] | None, concurrency: int | None, queues: str | No
                     code = 1
                 _kill_leftovers(p)
                 p.wait()
-            return code
+            return max(code, exit_code)
         for slot, p in list(procs.items()):
             code = p.poll()
             if code is None:
@@ -158,6 +165,12 @@ def _supervise(gpus: list[str] | None, concurrency: int | None, queues: str | No
             _kill_leftovers(p)
             if not restart:
                 return code
+            if code == BAD_START_EXIT:  # its own error line says what; a restart would meet the same
+                print(f"voxbatch: worker for GPU {slot} cannot start with these settings (its error is above); "
+                      "stopping the others, not restarting", file=sys.stderr, flush=True)
+                exit_code = BAD_START_EXIT
+                _forward(signal.SIGTERM, None)
+                break
             if time.monotonic() - started[slot] >= HEALTHY_S:
                 restarts[slot] = 0
             restarts[slot] += 1

@@ -21,16 +21,17 @@ import socket
 import sys
 import threading
 import time
+from contextlib import contextmanager
 
 from celery import signals
 
 from voxbatch.broker import install_heartbeat
 from voxbatch.celery_app import app, configure_celery, send_assemble, shutdown_window_s
 from voxbatch.jobstate import RedisJobStore
-from voxbatch.settings import load_settings
+from voxbatch.settings import load_settings, validation_problems
 from voxbatch.storage import open_storage
 from voxbatch.worker import timeline
-from voxbatch.worker.launcher import LAUNCHER_PID_ENV
+from voxbatch.worker.launcher import BAD_START_EXIT, LAUNCHER_PID_ENV
 
 log = logging.getLogger("voxbatch.worker")
 
@@ -77,6 +78,30 @@ def die_with_launcher() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+@contextmanager
+def bad_start_exits():
+    """A worker that cannot start with the settings and files it was given ends with one line naming
+    the problem and BAD_START_EXIT, which the launcher does not restart. That is a ValueError while the
+    settings are read or the engine is built: a bad setting (pydantic's error, without the values: a
+    broker URL may hold a password), a missing or incomplete model folder (ModelDirError), a memory cap
+    below what the engine needs. Anything else (a storage outage, an OSError reading a file, a crash)
+    still raises, and the process is restarted."""
+    from pydantic import ValidationError
+
+    try:
+        yield
+    except ValidationError as e:
+        _bad_start(validation_problems(e))
+    except ValueError as e:
+        _bad_start(str(e))
+
+
+def _bad_start(message: str) -> None:
+    log.critical("cannot start: %s", " ".join(message.split()))
+    logging.shutdown()
+    sys.exit(BAD_START_EXIT)
+
+
 def _heartbeat(jobs: RedisJobStore, pipeline, name: str, queues: str, every_s: float) -> None:
     """Tell Redis this worker is alive, and when it last took work, every `every_s` (a daemon thread:
     it dies with the process, and the entry then ages out)."""
@@ -96,7 +121,8 @@ def serve(gpu: str | None, concurrency: int | None, queues: str | None, hostname
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     die_with_launcher()
-    settings = load_settings()
+    with bad_start_exits():
+        settings = load_settings()
     timeline.configure(settings.timeline_log)
     if settings.gpu_trace_dir:
         from voxbatch.worker import gpu_trace
@@ -105,7 +131,8 @@ def serve(gpu: str | None, concurrency: int | None, queues: str | None, hostname
     log.info("worker for GPU %s: CUDA_VISIBLE_DEVICES=%s%s", gpu, os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>"),
              f", CUDA MPS pipe {os.environ['CUDA_MPS_PIPE_DIRECTORY']}" if os.environ.get("CUDA_MPS_PIPE_DIRECTORY") else "")
     configure_celery(settings)
-    engine = build_engine(settings)
+    with bad_start_exits():
+        engine = build_engine(settings)
     try:
         _serve_with(engine, settings, gpu, concurrency, queues, hostname)
     finally:  # on every way out, a failed start included: Python's exit would wait on an open vLLM core
