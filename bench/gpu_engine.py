@@ -1555,6 +1555,8 @@ def _tail(r: dict) -> str:
     tl = r.get("timeline") or {}
     batches = tl.get("vocode_tail_batches")
     more = f"; batches {batches}, {tl['vocode_paired_starts']} paired starts" if batches is not None else ""
+    if tl.get("vocode_oom_events"):  # flow/HiFT batches out of device memory, and the token budget at the end
+        more += f"; {tl['vocode_oom_events']} out of memory, budget {tl.get('vocode_budget_last')} tokens"
     return f"{r['gpu_busy_pct_vocoder_tail']} ({r['vocoder_tail_s']} s{more})"
 
 

@@ -52,6 +52,7 @@ SWITCHES = {
     "packed": ("voxbatch.worker.cosyvoice2.llm", "PACKED_PREFILL", _flag),
     "rope": ("voxbatch.worker.cosyvoice2.llm", "FUSED_DECODE_ROPE", _flag),
     "merge": ("voxbatch.worker.cosyvoice2.streaming", "TAIL_MERGE", _flag),
+    "regrow": ("voxbatch.worker.cosyvoice2.streaming", "BUDGET_REGROW_STEPS", int),
     "llock": ("voxbatch.worker.cosyvoice2.streaming", "LAUNCH_LOCK", _flag),
     "vprio": ("voxbatch.worker.cosyvoice2.streaming", "PRIMARY_VOCODER_PRIORITY", int),
     "split": ("voxbatch.worker.cosyvoice2.streaming", "TAIL_SPLIT", _flag),

@@ -779,6 +779,39 @@ def test_shrink_halves_the_failed_batch_and_never_raises_the_budget():
     assert vocoder.token_budget == 100
 
 
+def test_the_budget_grows_back_after_batches_that_used_it_and_halves_at_the_next_failure(monkeypatch):
+    """BUDGET_REGROW_STEPS: each batch rendered whole that used at least half of the budget raises it by
+    1/steps of the budget set at the last failure; a batch under half leaves it; the next failure halves
+    that batch and sets a new step; with 0 the budget only goes down."""
+    from types import SimpleNamespace
+
+    from voxbatch.worker.cosyvoice2 import streaming
+
+    def rows(n: int, tokens: int) -> list:
+        return [SimpleNamespace(tokens=[0] * tokens)] * n
+
+    sched = SimpleNamespace(engine=SimpleNamespace(flow_batch=8, max_batch=8), llm_rows=lambda: 0)
+    monkeypatch.setattr(streaming, "BUDGET_REGROW_STEPS", 4)
+    vocoder = streaming._Vocoder(sched)
+    vocoder._regrow(rows(4, 100))
+    assert vocoder.token_budget is None  # nothing failed: no budget to grow
+    vocoder._shrink(rows(4, 100))
+    assert (vocoder.token_budget, vocoder.regrow_step) == (200, 50)
+    vocoder._regrow(rows(1, 99))  # 99 tokens, under half of 200
+    assert vocoder.token_budget == 200
+    for want in (250, 300, 350, 400, 450):  # back at the failed size after 4, then on up
+        vocoder._regrow(rows(2, 100))
+        assert vocoder.token_budget == want
+    vocoder._shrink(rows(4, 110))
+    assert (vocoder.token_budget, vocoder.regrow_step) == (220, 55)
+
+    monkeypatch.setattr(streaming, "BUDGET_REGROW_STEPS", 0)
+    vocoder = streaming._Vocoder(sched)
+    vocoder._shrink(rows(4, 100))
+    vocoder._regrow(rows(2, 100))
+    assert vocoder.token_budget == 200
+
+
 def test_drop_frames_lets_go_of_what_the_failed_attempt_held():
     """The exception a failed batch raised keeps the frames it came through, and their tensors, alive
     while the batch renders again in halves; `_drop_frames` lets them go (and those of what it chained)."""

@@ -43,7 +43,9 @@ log = logging.getLogger("voxbatch.timeline")
 log.setLevel(logging.WARNING)  # off until `configure(True)`
 LINE = re.compile(r"timeline (\w+) (\d+) ([0-9.]+)$")
 # `vocode_oom`: a flow/HiFT batch ran out of device memory (count = its rows; it renders again in halves).
-EVENTS = ("admit", "llm_session", "llm_refill", "vocoder_first_row", "llm_done", "vocode_start", "vocode_end", "vocode_oom")
+# `vocode_budget`: the flow/HiFT token budget changed (count = the new budget, padded speech tokens).
+EVENTS = ("admit", "llm_session", "llm_refill", "vocoder_first_row", "llm_done", "vocode_start", "vocode_end", "vocode_oom",
+          "vocode_budget")
 GC_EVENTS = ("gc1", "gc2")  # count = the pause in milliseconds
 # The LLM thread's host time (count = milliseconds) to take segments in (the pipeline's attempt count
 # and the engine's item for each) and to place them in cache rows (checks and prefill launches): no
@@ -230,6 +232,7 @@ def summary(events: list[tuple[float, str, int]]) -> dict[str, float | int | Non
             "vocode_host_share_pct": round(100 * host / wall, 1) if wall else None,
             "vocode_paired_starts": sum(1 for (a, _), (b, _) in zip(starts, starts[1:]) if b - a <= PAIRED_START_S),
             "vocode_tail_batches": [n for t, n in starts if done and t >= done[-1]],
+            "vocode_budget_last": next((n for _, e, n in reversed(events) if e == "vocode_budget"), None),
             **{f"{name}_total": sum(n for _, e, n in events if e == name) for name in SUMMED_EVENTS},
             "llm_launch_us_median": launches[len(launches) // 2] if launches else None,
             "llm_launch_us_max": launches[-1] if launches else None}

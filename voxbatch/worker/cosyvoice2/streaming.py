@@ -162,6 +162,17 @@ VOCODER_LOOKAHEAD = False
 # (2.5-3.0 s a job summed, against 1.5-2.3 s), hidden behind queued steps. Bench switch `pipe`; it
 # overrides VOCODER_LOOKAHEAD.
 VOCODER_PIPELINE = True
+# After a flow/HiFT batch runs out of device memory, later batches hold at most half of its padded speech
+# tokens (`_Vocoder.token_budget`). Each later batch that renders whole while using at least half of the
+# budget raises it by 1/BUDGET_REGROW_STEPS of the budget set at the last failure: back at the failed size
+# after that many such batches, then on up until a batch fails again and halves it (additive increase,
+# multiplicative decrease, as TCP's congestion window). Why: a budget that only goes down keeps the
+# worst moment's size for the life of the process. Under a 24 GiB cap (`card=24`) on an H100, one batch
+# of 34 rows failed in the worker's first job (the LLM at its full rows, each vocoder thread with two
+# batches under way), and every later batch held ~17 rows or fewer: 234.9x against 326.6x / 337.0x
+# uncapped, B/A 0.708 (bench/results/gpu_h100_s47a.json). 0: the budget only goes down. Not measured
+# yet: off until an A/B says otherwise. Bench switch `regrow`, e.g. `--worker-ab card=24 card=24,regrow=8`.
+BUDGET_REGROW_STEPS = 0
 LONGEST_FIRST = True  # refill LLM rows with the longest waiting texts first (shorter tail at the end of the work)
 MAX_WAIT_S = 10.0  # ... unless a request has waited this long: then it goes first, whatever its length
 
@@ -319,6 +330,7 @@ class _Vocoder:
         # the one measured (or long rows, whose activations grow with their length and the encoder's
         # scores with its square) would otherwise fail such batches on every job, each retried row by row.
         self.token_budget: int | None = None
+        self.regrow_step = 0  # tokens the budget grows per batch that used it (BUDGET_REGROW_STEPS)
         flow = getattr(sched.engine, "flow", None)
         self.flow_device = flow.encoder_proj.weight.device if flow is not None else None  # None: an engine without one
         n = getattr(sched.engine, "vocoder_threads", None)
@@ -425,10 +437,23 @@ class _Vocoder:
             if self.token_budget is not None and self.token_budget <= tokens // 2:
                 return  # another thread lowered it already, as far or further
             self.token_budget = max(1, tokens // 2)
+            self.regrow_step = self.token_budget // BUDGET_REGROW_STEPS if BUDGET_REGROW_STEPS else 0
         timeline.event("vocode_oom", len(batch))
+        timeline.event("vocode_budget", self.token_budget)
         log.warning("a flow/HiFT batch of %d rows (%d padded speech tokens) ran out of device memory; it is "
                     "rendered in halves and batches hold at most %d tokens from now on", len(batch), tokens,
                     self.token_budget)
+
+    def _regrow(self, batch: list) -> None:
+        """A batch rendered whole: the budget grows by `regrow_step` where the batch used at least half
+        of it (a batch well under the budget says nothing about what more would need)."""
+        tokens = len(batch) * max(len(item.tokens) for item in batch)
+        with self.cv:
+            if self.token_budget is None or not self.regrow_step or 2 * tokens < self.token_budget:
+                return
+            self.token_budget += self.regrow_step
+            budget = self.token_budget
+        timeline.event("vocode_budget", budget)
 
     def _partial(self, now: float, primary: bool = True) -> int | None:
         """The bucket to run before it is full (the vocoder is idle here), or None to wait: the longest
@@ -577,6 +602,7 @@ class _Vocoder:
                 if isinstance(launched, Exception):
                     raise launched
                 results = launched.results()
+                self._regrow(batch)
             except Exception as e:  # noqa: BLE001
                 results = self._retry(batch, e)
             timeline.event("vocode_ms", round(1000 * (time.perf_counter() - began)))  # rendered, before the emits
