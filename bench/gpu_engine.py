@@ -1557,6 +1557,8 @@ def _tail(r: dict) -> str:
     more = f"; batches {batches}, {tl['vocode_paired_starts']} paired starts" if batches is not None else ""
     if tl.get("vocode_oom_events"):  # flow/HiFT batches out of device memory, and the token budget at the end
         more += f"; {tl['vocode_oom_events']} out of memory, budget {tl.get('vocode_budget_last')} tokens"
+    if tl.get("llm_oom_events"):  # the LLM out of device memory: what it held decoded again
+        more += f"; LLM out of memory {tl['llm_oom_events']} times"
     return f"{r['gpu_busy_pct_vocoder_tail']} ({r['vocoder_tail_s']} s{more})"
 
 

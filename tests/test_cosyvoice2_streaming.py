@@ -177,6 +177,45 @@ def test_llm_failure_renders_what_was_in_flight_one_at_a_time(engine, monkeypatc
         np.testing.assert_allclose(rec.results[r.segment_id].audio, alone(engine, r), rtol=0, atol=BATCH_ATOL)
 
 
+@pytest.mark.parametrize("failures", [1, 2])
+def test_an_llm_out_of_memory_decodes_what_was_in_flight_again(engine, monkeypatch, lookahead, failures):
+    """The LLM running out of device memory (a prefill beside flow/HiFT's batches) loses what it was
+    decoding: after one such failure all of it is decoded again, batched, and nothing renders alone;
+    a request lost so a second time renders alone. Every segment sounds as alone either way."""
+    batch = mixed(engine, 5)
+    real, real_run = type(engine.llm).stream, CosyVoice2Engine._run
+    calls, alone_runs = {"n": 0}, []
+
+    def flaky(self, feed):
+        calls["n"] += 1
+        it = real(self, feed)
+        yield next(it)
+        if calls["n"] <= failures:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
+        yield from it
+
+    def run(self, items):
+        alone_runs.append(len(items))
+        return real_run(self, items)
+
+    monkeypatch.setattr(type(engine.llm), "stream", flaky)
+    monkeypatch.setattr(CosyVoice2Engine, "_run", run)
+    rec = Recorder()
+    t, _ = serve(engine, batch, rec)
+    t.join(120)
+    monkeypatch.undo()
+    assert not t.is_alive()
+    assert sorted(rec.results) == sorted(r.segment_id for r in batch)
+    for r in batch:
+        assert rec.results[r.segment_id].error is None
+        np.testing.assert_allclose(rec.results[r.segment_id].audio, alone(engine, r), rtol=0, atol=BATCH_ATOL)
+    assert calls["n"] > failures
+    if failures == 1:
+        assert alone_runs == []
+    else:
+        assert alone_runs and set(alone_runs) == {1}
+
+
 def test_a_lost_llm_fails_what_it_held_without_rendering_it_alone(engine, monkeypatch):
     """An LLM backend that can serve nothing more (EngineLost: its vLLM core died) fails every request
     it held with `engine_lost` (the pipeline then ends the process), instead of trying each one alone

@@ -44,8 +44,9 @@ log.setLevel(logging.WARNING)  # off until `configure(True)`
 LINE = re.compile(r"timeline (\w+) (\d+) ([0-9.]+)$")
 # `vocode_oom`: a flow/HiFT batch ran out of device memory (count = its rows; it renders again in halves).
 # `vocode_budget`: the flow/HiFT token budget changed (count = the new budget, padded speech tokens).
+# `llm_oom`: the LLM ran out of device memory (count = the requests it held; they are decoded again).
 EVENTS = ("admit", "llm_session", "llm_refill", "vocoder_first_row", "llm_done", "vocode_start", "vocode_end", "vocode_oom",
-          "vocode_budget")
+          "vocode_budget", "llm_oom")
 GC_EVENTS = ("gc1", "gc2")  # count = the pause in milliseconds
 # The LLM thread's host time (count = milliseconds) to take segments in (the pipeline's attempt count
 # and the engine's item for each) and to place them in cache rows (checks and prefill launches): no

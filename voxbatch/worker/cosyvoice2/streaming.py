@@ -213,16 +213,27 @@ class _Feed:
         self._exclusive = False  # a solo request is rendering: take nothing else
         self._keys = 0
         self._seen: dict[int, float] = {}  # id(request) -> when this feed first saw it in the intake
+        # Keys of in-flight requests the LLM lost to running out of device memory, to be decoded again
+        # before anything new (`StreamingScheduler._decode_again`), and of those that already were once.
+        self.again: list[int] = []
+        self.decoded_again: set[int] = set()
 
     def waiting(self) -> int:
+        if self.again:
+            return len(self.again)
         if self.closed or self._solo is not None or self._exclusive or self.s.vocoder.backlogged():
             return 0
         return self.s.intake.qsize()
 
     def take(self, n: int, wait: bool) -> list | None:
         s = self.s
-        if self.closed or s.stop.is_set():
+        if s.stop.is_set():
             self.closed = True
+            return None
+        if self.again:  # taken before, lost to the LLM running out of memory: they go first
+            keys, self.again = self.again[:n], self.again[n:]
+            return [(key, self.inflight[key].llm) for key in keys]
+        if self.closed:
             return None
         if self._exclusive or self._solo is not None:
             if not wait:
@@ -713,7 +724,7 @@ class StreamingScheduler:
 
     def _decode(self) -> None:
         """The LLM thread: stream finished rows to the vocoder until the intake ends."""
-        while not self.feed.closed:
+        while not self.feed.closed or self.feed.again:
             try:
                 for key, tokens in self.engine.llm.stream(self.feed):
                     self._finished_row(key, tokens)
@@ -721,14 +732,39 @@ class StreamingScheduler:
                 if is_engine_lost(e):  # nothing can render here any more: what was in flight is lost with it
                     self._lost_in_flight(e)
                     continue
+                if is_out_of_memory(e):
+                    self._decode_again(e)
+                    continue
                 log.warning("LLM batch failed (%s: %s); rendering its %d requests one at a time",
                             type(e).__name__, e, len(self.feed.inflight))
-                self._one_at_a_time()
+                self._one_at_a_time(list(self.feed.inflight))
                 continue
             break
 
+    def _decode_again(self, e: Exception) -> None:
+        """The LLM ran out of device memory (a prefill beside flow/HiFT's batches): once the vocoder has
+        rendered what it holds, and so let go of its memory, what the LLM was decoding is decoded again,
+        batched, before anything new; a request lost so a second time renders alone. Why: rendering all
+        of it alone, as any other LLM failure is, took one worker's job from ~14 s to 72 s when a
+        prefill ran out under a 24 GiB cap with ~100 requests in flight (gpu_h100_s47b.json,
+        `card=24,regrow=8`)."""
+        _drop_frames(e)  # the failed step's frames hold its activations
+        keys = list(self.feed.inflight)
+        waiting = set(self.feed.again)  # requeued before and not yet taken again: not lost a second time
+        alone = [key for key in keys if key in self.feed.decoded_again and key not in waiting]
+        again = [key for key in keys if key not in alone]
+        log.warning("the LLM ran out of device memory (%s); decoding its %d requests again once flow/HiFT have "
+                    "drained, %d of them alone", type(e).__name__, len(keys), len(alone))
+        timeline.event("llm_oom", len(keys))
+        self.vocoder.drain()
+        if alone:
+            self._one_at_a_time(alone)
+        self.feed.decoded_again.update(again)
+        self.feed.again = again
+
     def _finished_row(self, key: int, tokens: list[int]) -> None:
         item = self.feed.inflight.pop(key)
+        self.feed.decoded_again.discard(key)
         if not tokens:
             self.emit(SynthesisResult(item.request, None, "the LLM stopped before any speech token"))
             return
@@ -739,13 +775,17 @@ class StreamingScheduler:
 
     def _lost_in_flight(self, e: Exception) -> None:
         """The LLM can serve nothing more (`is_engine_lost`): each request it held comes back marked so."""
-        items, self.feed.inflight = list(self.feed.inflight.values()), {}
+        items, self.feed.inflight, self.feed.again = list(self.feed.inflight.values()), {}, []
+        self.feed.decoded_again.clear()
         for item in items:
             self.emit(SynthesisResult.failed(item.request, e))
 
-    def _one_at_a_time(self) -> None:
+    def _one_at_a_time(self, keys: list[int]) -> None:
+        """The in-flight requests `keys`, each rendered alone once flow/HiFT are empty."""
         self.vocoder.drain()
-        items, self.feed.inflight = list(self.feed.inflight.values()), {}
+        items = [self.feed.inflight.pop(key) for key in keys]
+        self.feed.again = [key for key in self.feed.again if key in self.feed.inflight]
+        self.feed.decoded_again.difference_update(keys)
         for item in items:
             try:
                 results = list(self.engine._run([item]))
