@@ -450,6 +450,13 @@ RUN_KEYS = {"rows": "engine_max_batch", "flow": "engine_flow_batch", "task": "ba
             "vpriority": "vllm_stream_priority", "vengines": "vllm_engines", "mps": "cuda_mps",
             "card": "engine_gpu_memory_gib"}
 LAUNCHER_KEYS = ("mps",)  # read by `voxbatch worker`'s launcher, not by the engine: the worker stage only
+# Run keys that set an environment variable of the worker processes, read by a library as the process
+# starts, not a setting: the worker stage only. `alloc`: the CUDA caching allocator's options, e.g.
+# `alloc=expandable_segments:True`. Why: under a 24 GiB cap the flow batch and the LLM prefill that ran
+# out of memory did so with 9.9-10.4 GiB allocated and 13.3-13.7 GiB reserved but unallocated
+# (bench/results/gpu_h100_s47a_card24_worker.log, gpu_h100_s47b_regrow_worker.log): fragmentation, which
+# expandable segments are for. Not measured yet.
+PROCESS_ENV_KEYS = {"alloc": "PYTORCH_CUDA_ALLOC_CONF"}
 VLLM_RUN_KEYS = ("process", "async", "vgraphs", "vmode", "vgroup", "vpriority", "vengines", "mps")  # the keys a --vllm-runs spec may set
 
 
@@ -457,7 +464,7 @@ def parse_run(spec: str, switches: bool = False) -> dict[str, str]:
     """'rows=256,flow=64,task=16' -> {'rows': '256', ...}; unknown keys are an error (SWITCHES keys
     only where `switches`: the engine stage)."""
     out = {}
-    allowed = {**RUN_KEYS, **(SWITCHES if switches else {})}
+    allowed = {**RUN_KEYS, **PROCESS_ENV_KEYS, **(SWITCHES if switches else {})}
     for part in filter(None, spec.split(",")):
         key, sep, value = part.partition("=")
         if not sep or key not in allowed:
@@ -1022,7 +1029,9 @@ class Bench:
         if not self.llm_dev.startswith("cuda"):
             env["VOXBATCH_LLM_DEVICE"] = "cpu"
         for k, v in run.items():
-            if k not in SWITCHES:
+            if k in PROCESS_ENV_KEYS:
+                env[PROCESS_ENV_KEYS[k]] = v
+            elif k not in SWITCHES:
                 env[f"VOXBATCH_{RUN_KEYS.get(k, k).upper()}"] = v
         return env
 
@@ -1678,9 +1687,10 @@ def main() -> None:
     ap.add_argument("--worker-task-sizes", type=int, nargs="+", default=[16, 64],
                     help="worker stage: one job per task size (the producer's batch_size); the first is the figure")
     ap.add_argument("--worker-ab", nargs="+", default=[], metavar="SPEC",
-                    help="worker stage: also run each SPEC laid over --worker-run (settings and bench switches: %s) in a "
-                         "worker of its own, then --worker-run again in a last one (A B.. A), a job of the first task size each"
-                         % ", ".join(SWITCHES))
+                    help="worker stage: also run each SPEC laid over --worker-run (settings, bench switches: %s, and the "
+                         "worker processes' environment: %s) in a worker of its own, then --worker-run again in a last one "
+                         "(A B.. A), a job of the first task size each"
+                         % (", ".join(SWITCHES), ", ".join(f"{k} ({v})" for k, v in PROCESS_ENV_KEYS.items())))
     ap.add_argument("--worker-ab-rounds", type=int, default=1,
                     help="worker A/B: A (B1 .. Bk A) this many times; B/A over the means of all A and B runs")
     ap.add_argument("--parts-ab", nargs="+", default=[], metavar="SPEC",
@@ -1731,10 +1741,15 @@ def main() -> None:
             if set(parse_run(spec, switches=True)) & set(LAUNCHER_KEYS):
                 raise SystemExit(f"{spec!r}: {', '.join(LAUNCHER_KEYS)} act on `voxbatch worker`'s launcher, which "
                                  "only the worker stage runs (--worker-run / --worker-ab)")
+            if set(parse_run(spec, switches=True)) & set(PROCESS_ENV_KEYS):
+                raise SystemExit(f"{spec!r}: {', '.join(PROCESS_ENV_KEYS)} act on `voxbatch worker`'s processes, which "
+                                 "only the worker stage starts (--worker-ab)")
         for spec in args.parts_ab:
             check_parts_spec(spec)
         for spec in (args.worker_run, args.invariance_run):
-            parse_run(spec)
+            if set(parse_run(spec)) & set(PROCESS_ENV_KEYS):  # the parts and render stages build from it in-process
+                raise SystemExit(f"{spec!r}: {', '.join(PROCESS_ENV_KEYS)} set a worker process's environment: "
+                                 "--worker-ab only")
         for spec in args.vllm_runs:
             vllm_run(spec)
     except SystemExit as e:
