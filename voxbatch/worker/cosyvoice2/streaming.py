@@ -170,8 +170,12 @@ VOCODER_PIPELINE = True
 # worst moment's size for the life of the process. Under a 24 GiB cap (`card=24`) on an H100, one batch
 # of 34 rows failed in the worker's first job (the LLM at its full rows, each vocoder thread with two
 # batches under way), and every later batch held ~17 rows or fewer: 234.9x against 326.6x / 337.0x
-# uncapped, B/A 0.708 (bench/results/gpu_h100_s47a.json). 0: the budget only goes down. Not measured
-# yet: off until an A/B says otherwise. Bench switch `regrow`, e.g. `--worker-ab card=24 card=24,regrow=8`.
+# uncapped, B/A 0.708 (bench/results/gpu_h100_s47a.json). 0: the budget only goes down. Off: with 8 the
+# budget grew back from 7,250 to 14,498 tokens over a job, then an LLM prefill ran out of memory beside
+# those batches and its 128 requests rendered one at a time: 46.1x against 232.0x with the budget
+# fixed, both under the cap (B/A 0.14 and 0.703, bench/results/gpu_h100_s47b.json). An LLM that runs out
+# now decodes what it held again, batched (`StreamingScheduler._decode_again`); `regrow` with that is
+# not measured yet. Bench switch `regrow`, e.g. `--worker-ab card=24 card=24,regrow=8`.
 BUDGET_REGROW_STEPS = 0
 LONGEST_FIRST = True  # refill LLM rows with the longest waiting texts first (shorter tail at the end of the work)
 MAX_WAIT_S = 10.0  # ... unless a request has waited this long: then it goes first, whatever its length
