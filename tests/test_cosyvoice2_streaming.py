@@ -152,37 +152,9 @@ def test_solo_request_renders_with_nothing_else_in_flight(engine, lookahead):
     assert all(kind == "emit" for kind, _ in rec.events[i + 1 : j]) is True and rec.events[i + 1 : j] == []
 
 
-def test_llm_failure_renders_what_was_in_flight_one_at_a_time(engine, monkeypatch, lookahead):
-    batch = mixed(engine, 5)
-    real = type(engine.llm).stream
-    calls = {"n": 0}
-
-    def flaky(self, feed):
-        calls["n"] += 1
-        it = real(self, feed)
-        yield next(it)
-        if calls["n"] == 1:
-            raise RuntimeError("CUDA error: an illegal memory access (simulated)")
-        yield from it
-
-    monkeypatch.setattr(type(engine.llm), "stream", flaky)
-    rec = Recorder()
-    t, _ = serve(engine, batch, rec)
-    t.join(120)
-    monkeypatch.undo()
-    assert not t.is_alive()
-    assert sorted(rec.results) == sorted(r.segment_id for r in batch)
-    for r in batch:
-        assert rec.results[r.segment_id].error is None
-        np.testing.assert_allclose(rec.results[r.segment_id].audio, alone(engine, r), rtol=0, atol=BATCH_ATOL)
-
-
-@pytest.mark.parametrize("failures", [1, 2])
-def test_an_llm_out_of_memory_decodes_what_was_in_flight_again(engine, monkeypatch, lookahead, failures):
-    """The LLM running out of device memory (a prefill beside flow/HiFT's batches) loses what it was
-    decoding: after one such failure all of it is decoded again, batched, and nothing renders alone;
-    a request lost so a second time renders alone. Every segment sounds as alone either way."""
-    batch = mixed(engine, 5)
+def serve_with_a_failing_llm(engine, monkeypatch, batch: list, error: Exception, failures: int) -> list[int]:
+    """`batch` served with an LLM whose first `failures` streams raise `error` after their first row;
+    every segment must come out as it sounds alone. The sizes of the renders alone (`_run`) it took."""
     real, real_run = type(engine.llm).stream, CosyVoice2Engine._run
     calls, alone_runs = {"n": 0}, []
 
@@ -191,7 +163,7 @@ def test_an_llm_out_of_memory_decodes_what_was_in_flight_again(engine, monkeypat
         it = real(self, feed)
         yield next(it)
         if calls["n"] <= failures:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
+            raise error
         yield from it
 
     def run(self, items):
@@ -210,6 +182,22 @@ def test_an_llm_out_of_memory_decodes_what_was_in_flight_again(engine, monkeypat
         assert rec.results[r.segment_id].error is None
         np.testing.assert_allclose(rec.results[r.segment_id].audio, alone(engine, r), rtol=0, atol=BATCH_ATOL)
     assert calls["n"] > failures
+    return alone_runs
+
+
+def test_llm_failure_renders_what_was_in_flight_one_at_a_time(engine, monkeypatch, lookahead):
+    error = RuntimeError("CUDA error: an illegal memory access (simulated)")
+    alone_runs = serve_with_a_failing_llm(engine, monkeypatch, mixed(engine, 5), error, 1)
+    assert alone_runs and set(alone_runs) == {1}
+
+
+@pytest.mark.parametrize("failures", [1, 2])
+def test_an_llm_out_of_memory_decodes_what_was_in_flight_again(engine, monkeypatch, lookahead, failures):
+    """The LLM running out of device memory (a prefill beside flow/HiFT's batches) loses what it was
+    decoding: after one such failure all of it is decoded again, batched, and nothing renders alone;
+    a request lost so a second time renders alone. Every segment sounds as alone either way."""
+    oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
+    alone_runs = serve_with_a_failing_llm(engine, monkeypatch, mixed(engine, 5), oom, failures)
     if failures == 1:
         assert alone_runs == []
     else:
