@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+from voxbatch.worker.launcher import BAD_START_EXIT
+
 REPO = Path(__file__).resolve().parents[1]
 # The line `voxbatch worker`'s supervisor (voxbatch/worker/launcher.py) writes when a worker process dies
 # and is started again. One that dies while starting dies again: a forked vLLM core did, in a loop, until
@@ -80,8 +82,10 @@ class WorkerHarness:
             if time.perf_counter() - last > 20:
                 last = time.perf_counter()
                 print(f"  worker not ready after {last - t0:.0f}s; log tail: {text[-600:]!r}", flush=True)
-            if self.worker.poll() is not None:
-                raise RuntimeError(f"voxbatch worker exited ({self.worker.returncode}):\n{text[-3000:]}")
+            if self.worker.poll() is not None:  # a worker that cannot start with its settings ends the launcher
+                code = self.worker.returncode
+                what = "died while starting (it cannot start with these settings)" if code == BAD_START_EXIT else f"exited ({code})"
+                raise RuntimeError(f"voxbatch worker {what}:\n{text[-3000:]}")
             if died := RESTARTED.search(text):  # died while starting: its restarts will too
                 raise RuntimeError(f"voxbatch worker died while starting (its first failure):\n{text[:died.end()][-3000:]}")
             time.sleep(0.2)
