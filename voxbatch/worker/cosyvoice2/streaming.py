@@ -750,7 +750,7 @@ class StreamingScheduler:
         rendered what it holds, and so let go of its memory, what the LLM was decoding is decoded again,
         batched, before anything new; a request lost so a second time renders alone. Why: rendering all
         of it alone, as any other LLM failure is, took one worker's job from ~14 s to 72 s when a
-        prefill ran out under a 24 GiB cap with ~100 requests in flight (gpu_h100_s47b.json,
+        prefill ran out under a 24 GiB cap with 128 requests in flight (gpu_h100_s47b.json,
         `card=24,regrow=8`)."""
         _drop_frames(e)  # the failed step's frames hold its activations
         keys = list(self.feed.inflight)
