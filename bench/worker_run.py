@@ -84,8 +84,8 @@ class WorkerHarness:
                 print(f"  worker not ready after {last - t0:.0f}s; log tail: {text[-600:]!r}", flush=True)
             if self.worker.poll() is not None:  # a worker that cannot start with its settings ends the launcher
                 code = self.worker.returncode
-                what = "died while starting (it cannot start with these settings)" if code == BAD_START_EXIT else f"exited ({code})"
-                raise RuntimeError(f"voxbatch worker {what}:\n{text[-3000:]}")
+                why = ": it died while starting (it cannot start with these settings)" if code == BAD_START_EXIT else ""
+                raise RuntimeError(f"voxbatch worker exited ({code}){why}:\n{text[-3000:]}")
             if died := RESTARTED.search(text):  # died while starting: its restarts will too
                 raise RuntimeError(f"voxbatch worker died while starting (its first failure):\n{text[:died.end()][-3000:]}")
             time.sleep(0.2)

@@ -44,15 +44,9 @@ def test_a_launcher_setting_in_an_engine_run_is_an_error_not_a_run_that_ignores_
     assert out.returncode == 2 and "'rows=4,mps=true': mps act on `voxbatch worker`'s launcher" in out.stderr
 
 
-def test_a_worker_process_variable_is_set_in_the_worker_env_and_refused_where_nothing_starts_a_process(tmp_path):
-    """`alloc=...` sets PYTORCH_CUDA_ALLOC_CONF of the worker processes an A/B starts (read as torch's
-    allocator starts); an engine run or --worker-run, built in the bench's own process, refuses it."""
-    from bench.gpu_engine import Bench, parse_run
-
-    harness = Bench.__new__(Bench)
-    harness.llm_dev, harness._official, harness.storage_root = "cuda", tmp_path, tmp_path
-    env = harness.engine_env(parse_run("card=24,alloc=expandable_segments:True", switches=True))
-    assert env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True" and env["VOXBATCH_ENGINE_GPU_MEMORY_GIB"] == "24"
+def test_a_worker_process_variable_is_refused_where_the_bench_builds_the_engine_itself(tmp_path):
+    """`alloc=...` sets PYTORCH_CUDA_ALLOC_CONF of the worker processes a --worker-ab starts (read as
+    torch's allocator starts); an engine run or --worker-run, built in the bench's own process, refuses it."""
     out = bench(tmp_path, "--tiny", "--device", "cpu", "--stages", "engine", "--engine-runs", "alloc=expandable_segments:True", timeout=120)
     assert out.returncode == 2 and "alloc act on `voxbatch worker`'s processes" in out.stderr
     out = bench(tmp_path, "--tiny", "--device", "cpu", "--stages", "parts", "--worker-run", "task=16,alloc=expandable_segments:True", timeout=120)
