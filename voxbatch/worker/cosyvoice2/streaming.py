@@ -203,6 +203,11 @@ def length_bucket(n_tokens: int) -> int:
     return int(BUCKETS_PER_OCTAVE * math.log2(max(n_tokens, 1)))
 
 
+def padded_tokens(batch: list) -> int:
+    """What a flow/HiFT batch holds, as `_Vocoder.token_budget` counts it: rows x the longest row's speech tokens."""
+    return len(batch) * max(len(item.tokens) for item in batch)
+
+
 class _Feed:
     """The LLM backend's view of the intake (`llm_backend.Feed`): admitted, tokenized items.
 
@@ -447,7 +452,7 @@ class _Vocoder:
 
     def _shrink(self, batch: list) -> None:
         """A batch ran out of device memory: later batches hold at most half of its padded tokens."""
-        tokens = len(batch) * max(len(item.tokens) for item in batch)
+        tokens = padded_tokens(batch)
         with self.cv:
             if self.token_budget is not None and self.token_budget <= tokens // 2:
                 return  # another thread lowered it already, as far or further
@@ -462,9 +467,11 @@ class _Vocoder:
     def _regrow(self, batch: list) -> None:
         """A batch rendered whole: the budget grows by `regrow_step` where the batch used at least half
         of it (a batch well under the budget says nothing about what more would need)."""
-        tokens = len(batch) * max(len(item.tokens) for item in batch)
+        if not self.regrow_step:  # BUDGET_REGROW_STEPS off, or nothing failed yet: nothing to do per batch
+            return
+        tokens = padded_tokens(batch)
         with self.cv:
-            if self.token_budget is None or not self.regrow_step or 2 * tokens < self.token_budget:
+            if self.token_budget is None or 2 * tokens < self.token_budget:
                 return
             self.token_budget += self.regrow_step
             budget = self.token_budget
