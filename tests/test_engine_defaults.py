@@ -139,3 +139,21 @@ def test_running_out_of_memory_while_loading_under_a_cap_names_the_setting():
     with pytest.raises(KeyError):
         with loading_within(1.5):
             raise KeyError("llm.pt")
+
+
+def test_the_allocator_default_yields_to_the_users_own(monkeypatch):
+    """The engine's CUDA allocator options go into the environment only where the user set none (either
+    of PyTorch's two variables); with the default off, nothing is set at all."""
+    from voxbatch.worker import engine as registry
+
+    monkeypatch.setattr(registry, "CUDA_ALLOC_CONF", "expandable_segments:True")
+    env: dict[str, str] = {}
+    assert registry.default_allocator(env) == "expandable_segments:True"
+    assert env == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    for var in registry.ALLOC_CONF_VARS:
+        own = {var: "max_split_size_mb:128"}
+        assert registry.default_allocator(own) == "max_split_size_mb:128"
+        assert own == {var: "max_split_size_mb:128"}  # the user's choice stands, alone
+    monkeypatch.setattr(registry, "CUDA_ALLOC_CONF", None)
+    env = {}
+    assert registry.default_allocator(env) is None and env == {}
