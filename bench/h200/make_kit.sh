@@ -11,6 +11,8 @@ kit=.gpu
 # This checkout's sources, their commit stamp (the copy has no .git) and the device-side scripts.
 copy_sources() {
   rm -rf "$kit/src" && mkdir -p "$kit/src" && git archive HEAD | tar -x -C "$kit/src" --exclude=bench/results
+  # ... but for the two results tests/test_engine_defaults.py reads as it is collected (GPU_TESTS= of it).
+  git archive HEAD bench/results/gpu_h200_worker.json bench/results/gpu_h200_engine.json | tar -x -C "$kit/src"
   git rev-parse HEAD > "$kit/src/bench/COMMIT"  # the commit measured
   cp bench/h200/run.sh bench/h200/switch_lease.sh "$kit/"
 }
@@ -50,4 +52,16 @@ fix=../shared/fixtures/cosyvoice2-tiny
 mkdir -p "$kit/shared/fixtures/cosyvoice2-tiny"
 cp -r "$fix/cosyvoice2.yaml" "$fix"/*.onnx "$fix/CosyVoice-BlankEN" "$fix/hift.pt" "$fix/llm.pt" "$fix/reference.npz" \
   "$fix/reference.md" "$fix/reference_meta.json" "$fix"/prompt_*.wav "$kit/shared/fixtures/cosyvoice2-tiny/"
+# A call carries the working tree (what git tracks or does not ignore) and the kit, 64 MiB in all; the tree
+# grows with bench/results. Over that, the fixture's test weights stay home (the bench never reads them;
+# the HiFT and LLM fixture tests then skip on the device), and past that the kit is too big to travel.
+carry_kib() {
+  local tree; tree=$(git ls-files -z --cached --others --exclude-standard | xargs -0 du -ck 2>/dev/null | tail -1 | cut -f1)
+  echo $((tree + $(du -sk "$kit" | cut -f1)))
+}
+if [ "$(carry_kib)" -gt $((64 * 1024)) ]; then
+  echo "kit: the working tree and the kit are over 64 MiB; the fixture's hift.pt, llm.pt and reference.npz stay home"
+  rm -f "$kit/shared/fixtures/cosyvoice2-tiny/"{hift.pt,llm.pt,reference.npz}
+fi
+[ "$(carry_kib)" -le $((64 * 1024)) ] || { echo "kit: $(carry_kib) KiB with the working tree, over a call's 64 MiB"; exit 1; }
 du -sh "$kit"
