@@ -220,7 +220,10 @@ class Engine(ABC):
 # device memory into one growing range per stream instead of cudaMalloc'ing fixed segments, so blocks
 # freed between flow/HiFT batches of other sizes go back to use instead of sitting reserved: under a
 # 24 GiB cap the batches that ran out of memory did so with 9.9-10.4 GiB allocated and 13.3-13.7 GiB
-# reserved but unallocated (bench/results/gpu_h100_s47a_card24_worker.log). None: PyTorch's default.
+# reserved but unallocated (bench/results/gpu_h100_s47a_card24_worker.log). None: PyTorch's default,
+# until the worker A/B `alloc=expandable_segments:True` is measured (BENCHMARKS.md, stop 48). It acts on
+# processes whose allocator has not started: a worker's or `render`'s, not the bench's engine stage, which
+# builds the engine in a process that has used the GPU already.
 CUDA_ALLOC_CONF: str | None = None
 ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 
