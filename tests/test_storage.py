@@ -56,8 +56,14 @@ def test_local_write_is_atomic_when_it_fails(tmp_path, monkeypatch):
 
 
 def test_local_refuses_keys_outside_its_root(tmp_path):
-    with pytest.raises(StorageError):
-        LocalStorage(tmp_path / "root").put("../escape", b"x")
+    store = LocalStorage(tmp_path / "root")
+    # Up and out, absolute, the root itself, and a sibling whose name begins with the root's.
+    for key in ("../escape", "a/../../escape", "/etc/passwd", ".", "", "a/..", "../root2/x", "../root/../root2/x"):
+        with pytest.raises(StorageError, match="escapes the storage root"):
+            store.put(key, b"x")
+    assert not (tmp_path / "root2").exists() and not (tmp_path / "escape").exists()
+    store.put("a/../b//c.bin", b"x")  # what normalises to a key inside the root is that key
+    assert store.get("b/c.bin") == b"x"
 
 
 def test_open_storage_by_url(tmp_path):

@@ -1,0 +1,143 @@
+"""The host CPU a worker spends taking a task's segments in, per segment, before any of them renders.
+
+A job's tasks reach a worker together, and its task threads look every segment up (is it stored, is it
+in the content cache) and queue it for the engine while the engine's LLM thread places its first rows
+and the vocoder threads launch kernels: all of them share one GIL. On the GPU every job's first
+~0.25 s is that (BENCHMARKS.md, stop 45: the LLM thread's first placement took 146 ms of wall time for
+28 ms of its own CPU), so the intake's CPU time per segment is time the GPU waits at each job's start.
+
+Drives the worker's own `Pipeline.submit` (tasks of `--task` segments, as `voxbatch submit` cuts them)
+on a local storage folder, with the engine not started so only the intake runs, and reads the whole
+process's CPU time (task thread and lookup threads). Cases, side by side in one run:
+  new          nothing stored: the segment's key and the content cache are looked up, both miss;
+  new_no_reuse the same with the job's reuse off (`--no-reuse`): the segment's key only;
+  reused       every segment in the content cache: copied from it, recorded done;
+  redelivered  every segment stored and recorded done: the task's one done-set read, no lookups.
+
+Usage (repo root): python -m bench.intake_host [--segments 512] [--task 16] [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from bench.provenance import commit
+
+REPO = Path(__file__).resolve().parents[1]
+TEXT = "The keeper walked the length of the harbour wall and counted every boat that had come home before dark"
+CASES = ("new", "new_no_reuse", "reused", "redelivered")
+
+
+def make_spec(n: int, reuse: bool):
+    from voxbatch.models import JobSpec, Segment
+
+    segments = [Segment(chapter=i // 200, index=i % 200, text=f"{TEXT}, line {i}.") for i in range(n)]
+    return JobSpec(id="bench-intake", name="bench", voice="tone", chapters=[f"c{c}" for c in range(n // 200 + 1)],
+                   segments=segments, created_at=0.0, source="bench", reuse=reuse)
+
+
+def pipeline_for(root: Path, spec, done: bool):
+    """A worker's Pipeline (tone engine, not started) over a local folder, its job created (and every
+    segment recorded done where `done`)."""
+    from voxbatch.jobstate import MemoryJobStore
+    from voxbatch.settings import Settings
+    from voxbatch.storage import LocalStorage
+    from voxbatch.worker.pipeline import Pipeline
+    from voxbatch.worker.tone import ToneEngine
+
+    jobs = MemoryJobStore()
+    jobs.create(spec.id, spec.name, spec.voice, spec.format, len(spec.segments), 0.0)
+    if done:
+        for seg in spec.segments:
+            jobs.finish(spec.id, seg.id, audio_s=0.1)
+    return Pipeline(ToneEngine(max_batch=8), LocalStorage(root), jobs, Settings(), lambda _job: None)
+
+
+def store_all(pipeline, spec, task_size: int, cache: bool) -> None:
+    """Every segment's audio where a finished render leaves it: under its own key, or (`cache`) only in
+    the content cache, under the key this pipeline's worker would look for."""
+    import io
+
+    import numpy as np
+    import soundfile as sf
+
+    from voxbatch.producer.submit import render_tasks
+    from voxbatch.worker.pipeline import TaskHandle, _Tag
+
+    buf = io.BytesIO()
+    sf.write(buf, np.zeros(2400, dtype=np.float32), 24000, format="WAV")
+    for task in render_tasks(spec, task_size):
+        for seg in task.segments:
+            key = pipeline.cache.key(task, seg) if cache else _Tag(TaskHandle(task), seg).key
+            pipeline.storage.put(key, buf.getvalue())
+
+
+def one_case(case: str, n: int, task_size: int) -> float:
+    """CPU seconds of `Pipeline.submit` over the job's tasks, in a fresh folder."""
+    from voxbatch.producer.submit import render_tasks
+
+    spec = make_spec(n, reuse=case != "new_no_reuse")
+    with tempfile.TemporaryDirectory(prefix="bench-intake-") as tmp:
+        root = Path(tmp)
+        pipeline = pipeline_for(root, spec, done=case == "redelivered")
+        if case in ("reused", "redelivered"):
+            store_all(pipeline, spec, task_size, cache=case == "reused")
+        tasks = list(render_tasks(spec, task_size))
+        cpu0 = time.process_time()
+        handles = [pipeline.submit(task) for task in tasks]
+        cpu = time.process_time() - cpu0
+        queued = pipeline.intake.qsize()
+        skipped = sum(h.skipped for h in handles)
+        pipeline.abandon()
+        pipeline.stop(timeout_s=1.0)
+    expect_queued = n if case.startswith("new") else 0
+    if queued != expect_queued or skipped != n - expect_queued:
+        raise SystemExit(f"case {case}: {queued} segments queued and {skipped} skipped, expected {expect_queued} queued")
+    return cpu
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--segments", type=int, default=512)
+    ap.add_argument("--task", type=int, default=16, help="segments per task (VOXBATCH_BATCH_SIZE)")
+    ap.add_argument("--rounds", type=int, default=5, help="timed rounds per case, interleaved; the median is reported")
+    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "intake_host.json")
+    a = ap.parse_args()
+    one_case("new", min(a.segments, 64), a.task)  # warm-up: imports, first allocations
+    times: dict[str, list[float]] = {c: [] for c in CASES}
+    for _ in range(a.rounds):
+        for case in CASES:  # interleaved, so a slow moment of the machine spreads over every case
+            times[case].append(one_case(case, a.segments, a.task))
+    rows = {c: {"cpu_us_per_segment": round(1e6 * statistics.median(t) / a.segments, 1),
+                "cpu_us_per_segment_rounds": [round(1e6 * x / a.segments, 1) for x in t]} for c, t in times.items()}
+    base = rows["new"]["cpu_us_per_segment"]
+    for r in rows.values():
+        r["over_new"] = round(r["cpu_us_per_segment"] / base, 3) if base else None
+    cpu = "unknown"
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    result = {"commit": commit(), "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "hardware": {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version()},
+              "segments": a.segments, "task": a.task, "rounds": a.rounds, "storage": "local folder",
+              "job_store": "in memory (one done-set read per task)", "cases": rows}
+    print(f"intake host CPU per segment ({a.segments} segments in tasks of {a.task}; median of {a.rounds}; "
+          f"commit {result['commit'][:12]})")
+    print("| case | CPU us / segment | vs new |\n|---|---|---|")
+    for c, r in rows.items():
+        print(f"| {c} | {r['cpu_us_per_segment']} | {r['over_new']} |")
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
