@@ -11,6 +11,7 @@ segment's render attempts and never fails a task (issue 12: a 30 s SeaweedFS sto
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import random
 import threading
@@ -52,6 +53,22 @@ def is_outage(exc: BaseException) -> bool:
     return False
 
 
+@functools.cache
+def _library_errors() -> tuple:
+    """(kombu's OperationalError, botocore's BotoCoreError, ClientError, and the BotoCoreErrors that are
+    outages), each () where its package is missing; imported once, not on every error checked (a worker
+    checks one per segment it looks up and does not find)."""
+    try:
+        from kombu.exceptions import OperationalError  # the broker connection, as Celery's publish reports it
+    except ImportError:  # pragma: no cover - kombu comes with celery
+        OperationalError = ()  # type: ignore[assignment,misc]
+    try:
+        from botocore.exceptions import BotoCoreError, ClientError, ConnectionError as BotoConnectionError, HTTPClientError
+    except ImportError:  # pragma: no cover - botocore is a dependency; stay usable without it
+        return OperationalError, (), (), ()
+    return OperationalError, BotoCoreError, ClientError, (BotoConnectionError, HTTPClientError)
+
+
 def _is_outage_error(exc: BaseException) -> bool:
     if isinstance(exc, (redis_errors.ConnectionError, redis_errors.TimeoutError)):
         return True  # BusyLoadingError is a ConnectionError
@@ -59,21 +76,12 @@ def _is_outage_error(exc: BaseException) -> bool:
         return str(exc).upper().startswith(_REDIS_TRANSIENT)
     if isinstance(exc, (ConnectionError, TimeoutError)):  # the builtins (sockets, urllib3)
         return True
-    try:
-        from kombu.exceptions import OperationalError  # the broker connection, as Celery's publish reports it
-    except ImportError:  # pragma: no cover - kombu comes with celery
-        OperationalError = ()  # type: ignore[assignment,misc]
+    OperationalError, BotoCoreError, ClientError, boto_outages = _library_errors()
     if OperationalError and isinstance(exc, OperationalError):
         return True
-    try:
-        from botocore.exceptions import BotoCoreError, ClientError
-    except ImportError:  # pragma: no cover - botocore is a dependency; stay usable without it
-        BotoCoreError = ClientError = ()  # type: ignore[assignment,misc]
     if BotoCoreError and isinstance(exc, BotoCoreError):
         # Connection, timeout and closed-connection errors; a bad parameter or missing credentials is not.
-        from botocore.exceptions import ConnectionError as BotoConnectionError, HTTPClientError
-
-        return isinstance(exc, (BotoConnectionError, HTTPClientError))
+        return isinstance(exc, boto_outages)
     if ClientError and isinstance(exc, ClientError):
         err = exc.response.get("Error", {})
         status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0
