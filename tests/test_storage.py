@@ -66,6 +66,22 @@ def test_local_refuses_keys_outside_its_root(tmp_path):
     assert store.get("b/c.bin") == b"x"
 
 
+def test_existing_names_exactly_the_stored_keys_asked_for(storage):
+    """`existing` (a worker's one question per task): the stored ones among the keys asked, in one
+    chapter or across two, never a stored neighbour it was not asked about; and what S3 answers
+    with a listing is what a HEAD per key answers."""
+    seg = "jobs/a/segments/{0:04d}/{0:04d}-{1:05d}.wav".format
+    for key in (seg(0, 7), seg(0, 9), seg(0, 10), seg(0, 30), seg(1, 0), seg(1, 2), "jobs/a/segments/0000/0000-00009.wav.x",
+                "jobs/ab/segments/0000/0000-00009.wav"):
+        storage.put(key, b"x")
+    one_chapter = [seg(0, i) for i in range(8, 24)]  # a task of 16: 8..23
+    assert storage.existing(one_chapter) == {seg(0, 9), seg(0, 10)}
+    across = [seg(0, i) for i in range(28, 32)] + [seg(1, i) for i in range(0, 4)]
+    assert storage.existing(across) == {seg(0, 30), seg(1, 0), seg(1, 2)}
+    for keys in (one_chapter, across, [seg(0, 7)], [], [seg(0, 9), "jobs/b/other.json"]):
+        assert storage.existing(keys) == {k for k in keys if storage.exists(k)}
+
+
 def test_open_storage_by_url(tmp_path):
     settings = Settings(storage_url=(tmp_path / "s").as_uri())
     assert isinstance(open_storage(settings), LocalStorage)
