@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.provenance import commit
+from bench.provenance import commit, cpu_model
 
 REPO = Path(__file__).resolve().parents[1]
 TEXT = "The keeper walked the length of the harbour wall and counted every boat that had come home before dark"
@@ -63,20 +63,17 @@ def pipeline_for(storage, spec, done: bool):
 def store_all(pipeline, spec, task_size: int, cache: bool) -> None:
     """Every segment's audio where a finished render leaves it: under its own key, or (`cache`) only in
     the content cache, under the key this pipeline's worker would look for."""
-    import io
-
     import numpy as np
-    import soundfile as sf
 
+    from voxbatch.audio import encode
     from voxbatch.producer.submit import render_tasks
     from voxbatch.worker.pipeline import TaskHandle, _Tag
 
-    buf = io.BytesIO()
-    sf.write(buf, np.zeros(2400, dtype=np.float32), 24000, format="WAV")
+    wav = encode(np.zeros(2400, dtype=np.float32), 24000, "wav")
     for task in render_tasks(spec, task_size):
         for seg in task.segments:
             key = pipeline.cache.key(task, seg) if cache else _Tag(TaskHandle(task), seg).key
-            pipeline.storage.put(key, buf.getvalue())
+            pipeline.storage.put(key, wav)
 
 
 class Stores:
@@ -90,8 +87,7 @@ class Stores:
 
             (tmp / "seaweed").mkdir()
             self.s3 = services.start_seaweed(tmp / "seaweed")
-            os.environ.update(AWS_ACCESS_KEY_ID=services.S3_KEY, AWS_SECRET_ACCESS_KEY=services.S3_SECRET,
-                              AWS_REGION="us-east-1")
+            self.credentials = {"aws_access_key_id": services.S3_KEY, "aws_secret_access_key": services.S3_SECRET}
 
     def new(self):
         from voxbatch.settings import Settings
@@ -100,7 +96,8 @@ class Stores:
         self.n += 1
         if self.s3 is None:
             return LocalStorage(self.tmp / f"store{self.n}")
-        return open_storage(Settings(storage_url=f"s3://{self.s3.new_bucket()}/p", s3_endpoint=self.s3.endpoint))
+        return open_storage(Settings(storage_url=f"s3://{self.s3.new_bucket()}/p", s3_endpoint=self.s3.endpoint,
+                                     **self.credentials))
 
     def close(self) -> None:
         if self.s3 is not None:
@@ -156,13 +153,8 @@ def main() -> None:
     base = rows["new"]["cpu_us_per_segment"]
     for r in rows.values():
         r["over_new"] = round(r["cpu_us_per_segment"] / base, 3) if base else None
-    cpu = "unknown"
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
     result = {"commit": commit(), "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "hardware": {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version()},
+              "hardware": {"cpu": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version()},
               "segments": a.segments, "task": a.task, "rounds": a.rounds,
               "storage": "local folder" if a.storage == "local" else "S3 (SeaweedFS on this machine, loopback)",
               "job_store": "in memory (one done-set read per task)", "cases": rows}

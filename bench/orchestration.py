@@ -66,7 +66,7 @@ import redis
 from rich.console import Console
 from rich.table import Table
 
-from bench.provenance import commit
+from bench.provenance import commit, cpu_model
 from voxbatch.producer.submit import render_tasks
 from voxbatch import testing_services as services
 from voxbatch import jobstate
@@ -176,11 +176,7 @@ def make_spec(n: int, sentences_per_segment: int = 1, *, reuse: bool = False, di
 
 
 def hardware() -> dict:
-    cpu = "unknown"
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    cpu = cpu_model()
     redis_version = subprocess.run(["redis-server", "--version"], capture_output=True, text=True).stdout.strip()
     return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
             "load_average_at_start": [round(x, 2) for x in os.getloadavg()], "python": platform.python_version(),

@@ -293,14 +293,14 @@ class Pipeline:
             else:
                 # Which of the segments not recorded done are stored anyway (a delivery that died before
                 # recording them): one question for the task (on S3 one listing, not a request per key).
-                unrecorded = [_Tag(handle, seg).key for seg, d in zip(task.segments, done) if not d]
-                present = self._service(lambda: self.storage.existing(unrecorded), f"job {task.job_id}",
+                unrecorded = {seg.id: _Tag(handle, seg).key for seg, d in zip(task.segments, done) if not d}
+                present = self._service(lambda: self.storage.existing(list(unrecorded.values())), f"job {task.job_id}",
                                         stop=self._abandoned) if unrecorded else set()
                 # Lazily, in order: each other segment goes to the intake as soon as its own cache lookup
                 # is back, not after the whole task's (a task of 256 held the engine's first rows for all
                 # its round trips).
-                stored = self._lookups.map(lambda seg, d: d or self._already_stored(handle, seg, present),
-                                           task.segments, done)
+                stored = self._lookups.map(
+                    lambda seg, d: d or self._already_stored(handle, seg, unrecorded[seg.id], present), task.segments, done)
             for seg, skip in zip(task.segments, stored):
                 if skip:
                     handle.skipped += 1
@@ -321,15 +321,15 @@ class Pipeline:
                      task.job_id, handle.skipped, len(task.segments), task.segments[0].id, task.segments[-1].id)
         return handle
 
-    def _already_stored(self, handle: TaskHandle, seg: TaskSegment, present: set[str]) -> bool:
-        """For a segment not recorded done when its task came in: whether it needs no render (`present`:
-        which of the task's unrecorded keys storage held as it came in)."""
-        job_id, key = handle.task.job_id, _Tag(handle, seg).key
+    def _already_stored(self, handle: TaskHandle, seg: TaskSegment, key: str, present: set[str]) -> bool:
+        """For a segment not recorded done when its task came in (stored under `key`): whether it needs no
+        render (`present`: which of the task's unrecorded keys storage held as it came in)."""
+        job_id = handle.task.job_id
         where = f"segment {job_id}/{seg.id}"
         # The segment's own key before the cache: a redelivery whose first delivery stored it must not
         # copy over it (an object is written once; bench/chaos.py counts writes per key).
         if key not in present:
-            return handle.task.reuse and self._reuse(handle, seg)
+            return handle.task.reuse and self._reuse(handle, seg, key)
         # Stored: another delivery may have recorded it since the task's done-set was read.
         if self._service(lambda: self.jobs.is_done(job_id, seg.id), where, stop=self._abandoned):
             return True
@@ -346,9 +346,9 @@ class Pipeline:
         self._record(job_id, seg.id, audio_s=audio_s, stop=self._abandoned)
         return True
 
-    def _reuse(self, handle: TaskHandle, seg: TaskSegment) -> bool:
-        """Take the segment's audio from the content-addressed cache when it is there (reuse.py)."""
-        task, key = handle.task, _Tag(handle, seg).key
+    def _reuse(self, handle: TaskHandle, seg: TaskSegment, key: str) -> bool:
+        """Take the segment's audio (its key: `key`) from the content-addressed cache when it is there (reuse.py)."""
+        task = handle.task
         where = f"segment {task.job_id}/{seg.id}"
         try:
             cache_key = self.cache.key(task, seg)  # KeyError: no such voice (the engine reports it)
