@@ -455,8 +455,17 @@ LAUNCHER_KEYS = ("mps",)  # read by `voxbatch worker`'s launcher, not by the eng
 # `alloc=expandable_segments:True`. Why: under a 24 GiB cap the flow batch and the LLM prefill that ran
 # out of memory did so with 9.9-10.4 GiB allocated and 13.3-13.7 GiB reserved but unallocated
 # (bench/results/gpu_h100_s47a_card24_worker.log, gpu_h100_s47b_regrow_worker.log): fragmentation, which
-# expandable segments are for. Not measured yet.
+# expandable segments are for. Not measured yet. A run spec's pairs are comma-separated, so `+` in such
+# a value stands for the comma between the library's own options:
+# `alloc=pinned_use_cuda_host_register:True+pinned_num_register_threads:8` (the pinned host allocator
+# page-locks with 8 threads instead of one cudaHostAlloc, which holds other CUDA calls meanwhile: 13 such
+# allocations took 403 ms of one tasks-of-16 job, bench/results/gpu_h100_s47a.json).
 PROCESS_ENV_KEYS = {"alloc": "PYTORCH_CUDA_ALLOC_CONF"}
+
+
+def process_env_value(value: str) -> str:
+    """A PROCESS_ENV_KEYS value as the library reads it (`+` -> `,`; see above)."""
+    return value.replace("+", ",")
 VLLM_RUN_KEYS = ("process", "async", "vgraphs", "vmode", "vgroup", "vpriority", "vengines", "mps")  # the keys a --vllm-runs spec may set
 
 
@@ -1030,7 +1039,7 @@ class Bench:
             env["VOXBATCH_LLM_DEVICE"] = "cpu"
         for k, v in run.items():
             if k in PROCESS_ENV_KEYS:
-                env[PROCESS_ENV_KEYS[k]] = v
+                env[PROCESS_ENV_KEYS[k]] = process_env_value(v)
             elif k not in SWITCHES:
                 env[f"VOXBATCH_{RUN_KEYS.get(k, k).upper()}"] = v
         return env

@@ -53,6 +53,18 @@ def test_a_worker_process_variable_is_refused_where_the_bench_builds_the_engine_
     assert out.returncode == 2 and "--worker-ab only" in out.stderr
 
 
+def test_a_process_variable_takes_several_library_options_in_one_run_spec():
+    """A run spec's pairs are comma-separated; `+` inside `alloc=` is the comma between torch's allocator
+    options, so `card=24,alloc=a:1+b:2` is two run keys and the worker gets `a:1,b:2`."""
+    script = ("from bench.gpu_engine import parse_run, process_env_value\n"
+              "run = parse_run('card=24,alloc=pinned_use_cuda_host_register:True+pinned_num_register_threads:8', switches=True)\n"
+              "print(sorted(run), process_env_value(run['alloc']))\n")
+    out = subprocess.run([sys.executable, "-c", script], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "['alloc', 'card'] pinned_use_cuda_host_register:True,pinned_num_register_threads:8"
+
+
 def test_every_stage_runs_on_cpu_and_the_result_has_a_headline(tmp_path, tiny_model_dir):
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server not on PATH")
