@@ -130,6 +130,18 @@ class Engine(ABC):
         it then. Nothing by default."""
         return request
 
+    def prepare_many(self, requests: list[SynthesisRequest]) -> list[SynthesisRequest]:
+        """`prepare` of a task's requests, together (an engine may batch the work, e.g. tokenize them in
+        one call that lets go of the GIL). One per request, in order; a request that cannot be prepared
+        comes back as it was, never raises (see `prepare`)."""
+        out = []
+        for request in requests:
+            try:
+                out.append(self.prepare(request))
+            except Exception:  # noqa: BLE001 - not a failure here: the engine meets it again and reports it
+                out.append(request)
+        return out
+
     def warmup(self) -> None:
         """Run a small batch so kernels, graphs and caches are ready before the first task."""
         list(self.synthesize([SynthesisRequest("warmup", "Warm up.", "default", 0)]))

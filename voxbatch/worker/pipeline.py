@@ -289,7 +289,7 @@ class Pipeline:
             state, done = self._service(lambda: self.jobs.state_and_done(task.job_id, ids), f"job {task.job_id}",
                                         stop=self._abandoned)
             if state == "cancelled":
-                stored = [True] * len(task.segments)
+                stored, requests = [True] * len(task.segments), {}
             else:
                 # Which of the segments not recorded done are stored anyway (a delivery that died before
                 # recording them): one question for the task (on S3 one listing, not a request per key).
@@ -301,6 +301,10 @@ class Pipeline:
                 # its round trips).
                 stored = self._lookups.map(
                     lambda seg, d: d or self._already_stored(handle, seg, unrecorded[seg.id], present), task.segments, done)
+                # While the lookups run: the segments that may render, prepared together (Engine.prepare_many).
+                # One found stored or cached after all was prepared for nothing, which costs little.
+                requests = self._requests(handle, [seg for seg, d in zip(task.segments, done)
+                                                   if not d and len(seg.text) <= self.settings.max_segment_chars])
             for seg, skip in zip(task.segments, stored):
                 if skip:
                     handle.skipped += 1
@@ -311,7 +315,7 @@ class Pipeline:
                                                             f"max_segment_chars ({self.settings.max_segment_chars})")
                     handle.segment_finished()
                 else:
-                    self._enqueue(handle, seg)
+                    self._enqueue(handle, seg, request=requests.get(id(seg)))
         except Stopped:
             handle.abandon()  # shutting down while a service was away: the redelivery takes it from here
             return handle
@@ -360,13 +364,32 @@ class Pipeline:
         self._record(task.job_id, seg.id, audio_s=probe(data, cache_key).duration_s, stop=self._abandoned)
         return True
 
-    def _enqueue(self, handle: TaskHandle, seg: TaskSegment, outage_since: float | None = None) -> None:
+    def _request(self, handle: TaskHandle, seg: TaskSegment, outage_since: float | None = None) -> SynthesisRequest:
         task = handle.task
+        return SynthesisRequest(seg.id, seg.text, task.voice, seg.seed, task.params,
+                                tag=_Tag(handle, seg, outage_since=outage_since))
+
+    def _requests(self, handle: TaskHandle, segs: list[TaskSegment]) -> dict[int, SynthesisRequest]:
+        """The engine's requests for a task's `segs`, prepared together (`Engine.prepare_many`), by the
+        segment object (a message may repeat a segment id); as they were if the engine could not (see `_prepared`)."""
+        requests = [self._request(handle, seg) for seg in segs]
+        try:
+            prepared = self.engine.prepare_many(requests)
+            if len(prepared) != len(requests):
+                raise ValueError(f"{len(prepared)} requests back for {len(requests)}")
+        except Exception as e:  # noqa: BLE001 - not this thread's to report (see `_prepared`)
+            log.debug("job %s: task not prepared ahead (%s: %s)", handle.task.job_id, type(e).__name__, e)
+            prepared = requests
+        return {id(seg): r for seg, r in zip(segs, prepared)}
+
+    def _enqueue(self, handle: TaskHandle, seg: TaskSegment, outage_since: float | None = None,
+                 request: SynthesisRequest | None = None) -> None:
+        """Queue the segment for the engine: `request` when the task's intake prepared it (`_requests`),
+        else a new one, prepared here (a retry)."""
         if self._abandoned.is_set():
             handle.abandon()  # shutting down: not worth starting, the redelivery renders it
             return
-        tag = _Tag(handle, seg, outage_since=outage_since)
-        self.intake.put(self._prepared(SynthesisRequest(seg.id, seg.text, task.voice, seg.seed, task.params, tag=tag)))
+        self.intake.put(request if request is not None else self._prepared(self._request(handle, seg, outage_since)))
 
     def _prepared(self, request: SynthesisRequest) -> SynthesisRequest:
         """`Engine.prepare` on this thread (a task's, or a retry's timer), so the engine thread only

@@ -527,10 +527,12 @@ class CosyVoice2Engine(Engine):
 
     # -- the LLM request of one segment -------------------------------------------------------------
 
-    def llm_request(self, request: SynthesisRequest, voice: PreparedVoice) -> LlmRequest:
-        """Tokenize and compose the LLM input for the request's mode; length bounds from the text."""
+    def llm_request(self, request: SynthesisRequest, voice: PreparedVoice, text: list[int] | None = None) -> LlmRequest:
+        """Tokenize (unless `text`: the request's text, tokenized already) and compose the LLM input for
+        the request's mode; length bounds from the text."""
         p: SynthesisParams = request.params
-        text = self.tokenizer.encode(request.text)
+        if text is None:
+            text = self.tokenizer.encode(request.text)
         if not text:
             raise ValueError("text has no tokens")
         if p.mode == "zero_shot":
@@ -601,6 +603,27 @@ class CosyVoice2Engine(Engine):
             return request
         voice = self.voices.get(request.voice)
         return replace(request, prepared=_Prepared(voice, self.llm_request(request, voice)))
+
+    def prepare_many(self, requests: list[SynthesisRequest]) -> list[SynthesisRequest]:
+        """`prepare` of a task's requests, their texts tokenized in one call (`encode_many`), which lets
+        go of the GIL the LLM thread needs for its first placements while a job's tasks come in."""
+        if not PREPARE_AT_ENQUEUE or not requests:
+            return list(requests)
+        texts = self.tokenizer.encode_many([r.text for r in requests])
+        voices: dict[str, PreparedVoice | None] = {}  # each voice looked up once (None: it cannot be had now)
+        out = []
+        for request, text in zip(requests, texts):
+            if request.voice not in voices:
+                try:
+                    voices[request.voice] = self.voices.get(request.voice)
+                except Exception:  # noqa: BLE001 - see Engine.prepare: the LLM thread meets it again and reports it
+                    voices[request.voice] = None
+            voice = voices[request.voice]
+            try:
+                out.append(request if voice is None else replace(request, prepared=_Prepared(voice, self.llm_request(request, voice, text))))
+            except Exception:  # noqa: BLE001 - as above (an empty text, a prompt too long)
+                out.append(request)
+        return out
 
     def item(self, request: SynthesisRequest) -> _Item:
         """A request made ready for the LLM (voice prepared, input composed); raises LookupError or
