@@ -66,6 +66,7 @@ SWITCHES = {
     "draws": ("voxbatch.worker.cosyvoice2.hift", "IN_PLACE_DRAWS", _flag),
     "gather": ("voxbatch.worker.cosyvoice2.engine", "GATHER_TO_HIFT", _flag),
     "prepare": ("voxbatch.worker.cosyvoice2.engine", "PREPARE_AT_ENQUEUE", _flag),
+    "together": ("voxbatch.worker.cosyvoice2.engine", "PREPARE_TOGETHER", _flag),
     "rows_copied": ("voxbatch.worker.cosyvoice2.engine", "ROWS_COPIED", _flag),
     "hift_frames": ("voxbatch.worker.cosyvoice2.engine", "HIFT_FRAMES_PER_CALL", int),
     "hift_dtype": ("voxbatch.worker.cosyvoice2.engine", "HIFT_GPU_DTYPE", _dtype),

@@ -167,6 +167,13 @@ GATHER_TO_HIFT = True
 # the noise, 302.7x / 291.2x with vs 293.4x without (bench/results/gpu_h100_worker20.json). Bench switch `prepare`.
 PREPARE_AT_ENQUEUE = True
 
+# A task's segments are prepared together (`prepare_many`): their texts tokenized in one `encode_batch`,
+# which lets go of the GIL, where one `encode` a segment holds it (~120 us for a 300-character segment
+# on a 2-core AMD EPYC). Why: at a job's start its tasks come in together while the LLM thread places its
+# first rows, and the LLM thread's first placement took 146 ms of wall time for 28 ms of its own CPU
+# (bench/results/gpu_h100_s45a_worker.json, timeline). Off: one `prepare` a segment. Bench switch `together`.
+PREPARE_TOGETHER = True
+
 # A batch's audio rows are copied out of its pinned staging buffer (`HostCopy`), which then goes back to
 # torch's pinned-memory cache at once, instead of each row going on as a view of it. Why: a view keeps
 # the whole buffer pinned until the batch's last row is stored, so while uploads were pending each new
@@ -607,6 +614,8 @@ class CosyVoice2Engine(Engine):
     def prepare_many(self, requests: list[SynthesisRequest]) -> list[SynthesisRequest]:
         """`prepare` of a task's requests, their texts tokenized in one call (`encode_many`), which lets
         go of the GIL the LLM thread needs for its first placements while a job's tasks come in."""
+        if not PREPARE_TOGETHER:
+            return super().prepare_many(requests)
         if not PREPARE_AT_ENQUEUE or not requests:
             return list(requests)
         texts = self.tokenizer.encode_many([r.text for r in requests])
