@@ -540,6 +540,31 @@ def test_vocoder_threads_follow_the_engine_setting(tiny_model_dir, storage_dir):
     assert len(streaming._Vocoder(SimpleNamespace(engine=unset)).threads) == streaming.CPU_VOCODER_THREADS
 
 
+def test_a_tasks_requests_prepared_together_are_what_prepare_makes_of_each(engine, monkeypatch):
+    """`prepare_many` tokenizes a task's texts in one call (`encode_many`, the same ids as `encode` of
+    each) and composes each request's LLM input as `prepare` does; a request with a missing voice or
+    a text of no tokens comes back as it was (never raises), the rest prepared. Off (PREPARE_TOGETHER):
+    one `prepare` a request, the same inputs."""
+    from voxbatch.worker.cosyvoice2 import engine as engine_module
+
+    batch = mixed(engine, 6)
+    texts = [r.text for r in batch] + ["", "<|endofprompt|> speak slowly"]
+    assert engine.tokenizer.encode_many(texts) == [engine.tokenizer.encode(t) for t in texts]
+    missing = SynthesisRequest("missing", TEXTS[0], "nobody", 1, SynthesisParams(max_tokens=4))
+    blank = SynthesisRequest("blank", "", batch[0].voice, 2, SynthesisParams(max_tokens=4))
+    requests = [batch[0], missing, *batch[1:3], blank, *batch[3:]]
+    together = engine.prepare_many(requests)
+    assert [r.segment_id for r in together] == [r.segment_id for r in requests]
+    assert together[1] is missing and together[4] is blank  # as they were: the LLM thread reports them
+    for made, r in zip([together[0], *together[2:4], *together[5:]], batch):
+        assert made.prepared.llm == engine.prepare(r).prepared.llm
+    monkeypatch.setattr(engine_module, "PREPARE_TOGETHER", False)
+    one_by_one = engine.prepare_many(requests)
+    assert one_by_one[1] is missing and one_by_one[4] is blank
+    assert [r.prepared.llm for i, r in enumerate(one_by_one) if i not in (1, 4)] == \
+        [r.prepared.llm for i, r in enumerate(together) if i not in (1, 4)]
+
+
 def test_prepared_requests_take_their_input_from_prepare_and_sound_the_same(engine, monkeypatch):
     """`prepare` (on the task's thread) composes the LLM input the LLM thread would: `item` takes it
     as made while the voice is the one the cache holds, makes it again for a voice re-created

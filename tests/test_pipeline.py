@@ -279,6 +279,44 @@ def test_segments_are_prepared_on_the_submitting_thread_not_the_engines(tmp_path
     assert engine.rendered_prepared.count(("made ahead", bad.id)) >= 2  # its retry was prepared again
 
 
+class TogetherEngine(PreparingEngine):
+    """Prepares a task's requests together (`prepare_many`), recording each call's segment ids; the
+    task holding `raise-together` makes it raise, as an engine's batch step might."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[list[str]] = []
+
+    def prepare_many(self, requests):
+        self.calls.append([r.segment_id for r in requests])
+        if any("raise-together" in r.text for r in requests):
+            raise RuntimeError("batch tokenizer broke")
+        return [replace(r, prepared=("together", r.segment_id)) for r in requests]
+
+
+def test_a_tasks_segments_are_prepared_together_once(tmp_path):
+    """A task's segments that may render are prepared in one `Engine.prepare_many` call on the task's
+    thread, not one `prepare` each: those recorded done and those over max_segment_chars are left out,
+    and a task whose batch prepare raises still renders all its segments, unprepared."""
+    spec = make_job(12)
+    segs = list(spec.segments)
+    segs[5] = segs[5].model_copy(update={"text": "x" * 60})  # over max_segment_chars below: refused, never prepared
+    segs[9] = segs[9].model_copy(update={"text": "raise-together, and still renders"})
+    spec = spec.model_copy(update={"segments": segs})
+    jobs = MemoryJobStore()
+    jobs.create(spec.id, spec.name, spec.voice, spec.format, len(segs), 0.0)
+    jobs.finish(spec.id, segs[1].id, audio_s=0.5)  # recorded done by an earlier delivery
+    engine = TogetherEngine()
+    run(spec, LocalStorage(tmp_path), Settings(batch_size=4, max_segment_chars=50), engine=engine, jobs=jobs)
+    ids = [s.id for s in segs]
+    assert engine.calls == [[ids[0], ids[2], ids[3]], [ids[4], ids[6], ids[7]], ids[8:12]]
+    assert engine.prepared_on == set()  # no per-segment prepare: none failed, so none was retried
+    assert sorted(engine.rendered_prepared, key=str) == sorted(
+        [("together", i) for i in (ids[0], ids[2], ids[3], ids[4], ids[6], ids[7])] + [None] * 4, key=str)
+    status = jobs.status(spec.id)
+    assert status.done == 11 and status.failed == 1
+
+
 def test_is_engine_lost_is_only_a_cuda_kernel_fault():
     """A CUDA error that leaves the process's CUDA context unusable is a lost device; out of memory, a
     CUDA error that is only a bad call, and other errors are not."""
