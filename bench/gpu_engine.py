@@ -74,7 +74,7 @@ from voxbatch.worker.engine import Engine
 
 from bench import host_speed
 from bench.switches import ENV as SWITCH_ENV, SWITCHES, parse_switch, switched, worker_env
-from bench.provenance import REPO, commit
+from bench.provenance import FIXTURE, REPO, commit
 
 SAMPLE_RATE = 24000
 
@@ -466,6 +466,8 @@ PROCESS_ENV_KEYS = {"alloc": "PYTORCH_CUDA_ALLOC_CONF"}
 def process_env_value(value: str) -> str:
     """A PROCESS_ENV_KEYS value as the library reads it (`+` -> `,`; see above)."""
     return value.replace("+", ",")
+
+
 VLLM_RUN_KEYS = ("process", "async", "vgraphs", "vmode", "vgroup", "vpriority", "vengines", "mps")  # the keys a --vllm-runs spec may set
 
 
@@ -1736,7 +1738,7 @@ def main() -> None:
                          "or key=value pairs of %s; the first is the one compared in the headline ratio" % ", ".join(VLLM_RUN_KEYS))
     ap.add_argument("--budget-s", type=float, default=520, help="skip stages that would start after this many seconds")
     ap.add_argument("--tiny", action="store_true", help="the test fixture's sizes (CPU smoke run)")
-    ap.add_argument("--fixture-yaml", type=Path, default=REPO.parent / "shared" / "fixtures" / "cosyvoice2-tiny" / "cosyvoice2.yaml")
+    ap.add_argument("--fixture-yaml", type=Path, default=FIXTURE / "cosyvoice2.yaml")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     ap.add_argument("--name", default="gpu_engine")
     args = ap.parse_args()

@@ -31,11 +31,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from bench.intake_host import make_spec
-from bench.provenance import commit, cpu_model
+from bench.provenance import FIXTURE, commit, cpu_model
 from bench.switches import parse_switches, switched
 
 REPO = Path(__file__).resolve().parents[1]
-FIXTURE = REPO.parent / "shared" / "fixtures" / "cosyvoice2-tiny"
 PROBE_S = 0.001
 
 
@@ -124,7 +123,12 @@ def main() -> None:
     a = ap.parse_args()
     if not (a.model_dir / "reference_meta.json").is_file():
         ap.error(f"{a.model_dir}: not the fixture's model folder (no reference_meta.json with the prompt's transcript)")
-    runs = {v: ({} if v == "shipped" else parse_switches(v)) for v in a.variants}
+    if len(set(a.variants)) != len(a.variants):
+        ap.error(f"--variants repeats a variant: {' '.join(a.variants)}")
+    try:
+        runs = {v: ({} if v == "shipped" else parse_switches(v)) for v in a.variants}
+    except SystemExit as e:  # parse_switches names the bad key or value
+        ap.error(str(e))
     with tempfile.TemporaryDirectory(prefix="bench-intake-gil-") as tmp:
         engine = build_engine(a.model_dir, Path(tmp) / "voices")
         n_store = 0

@@ -35,12 +35,11 @@ import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from bench.gpu_models import build_flow, build_hift, write_model_dir  # noqa: E402
-from bench.provenance import commit  # noqa: E402
+from bench.provenance import FIXTURE, commit  # noqa: E402
 from bench.switches import parse_switches, switched  # noqa: E402
 from voxbatch.worker.cosyvoice2 import lazy_kernel  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-FIXTURE = REPO.parent / "shared" / "fixtures" / "cosyvoice2-tiny"
 ROWS, FRAMES, TOKENS = 2, 96, 48  # estimator rows (one CFG pair) and mel frames; encoder tokens per row
 HIFT_FRAMES = 8  # mel frames of HiFT's decode (one row; the interpreter runs each Triton program in numpy)
 

@@ -42,6 +42,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench.provenance import FIXTURE
 from voxbatch.worker.cosyvoice2.llm_backend import LlmBackend, LlmRequest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -228,7 +229,7 @@ def measure_engine(name: str, model_dir: Path, segments: int, tokens: int, min_s
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model-dir", type=Path, default=REPO.parent / "shared" / "fixtures" / "cosyvoice2-tiny")
+    ap.add_argument("--model-dir", type=Path, default=FIXTURE)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--max-tokens", type=int, default=256, help="speech tokens per request (LLM part)")
     ap.add_argument("--modes", nargs="+", default=["ras", "greedy"], choices=["ras", "greedy"])

@@ -1,4 +1,5 @@
-"""What a result file records about the code it measured: the commit."""
+"""What a result file records about what it measured: the commit, the host CPU, and where the shared
+fixture (the official-format checkpoint the CPU benches default to) lives."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import subprocess
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+FIXTURE = REPO.parent / "shared" / "fixtures" / "cosyvoice2-tiny"  # ../shared beside the checkout
 
 
 def commit() -> str:

@@ -32,3 +32,13 @@ def test_a_folder_without_the_prompts_transcript_is_one_line(tmp_path):
     r = subprocess.run([sys.executable, "-m", "bench.intake_gil", "--model-dir", str(tmp_path)],
                        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "no reference_meta.json" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_an_unknown_or_repeated_variant_is_one_line_and_exit_2(tmp_path, tiny_model_dir):
+    for variants in (["shipped", "bogus=1"], ["shipped", "shipped"]):
+        r = subprocess.run([sys.executable, "-m", "bench.intake_gil", "--model-dir", str(tiny_model_dir), "--variants", *variants,
+                            "--out", str(tmp_path / "x.json")],
+                           cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+        assert ("unknown bench switch 'bogus'" if "bogus=1" in variants else "repeats a variant") in r.stderr
+        assert not (tmp_path / "x.json").exists()

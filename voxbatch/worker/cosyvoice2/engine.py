@@ -619,15 +619,15 @@ class CosyVoice2Engine(Engine):
         if not PREPARE_AT_ENQUEUE or not requests:
             return list(requests)
         texts = self.tokenizer.encode_many([r.text for r in requests])
-        voices: dict[str, PreparedVoice | None] = {}  # each voice looked up once (None: it cannot be had now)
+        by_name: dict[str, PreparedVoice | None] = {}  # each voice looked up once (None: it cannot be had now)
         out = []
         for request, text in zip(requests, texts):
-            if request.voice not in voices:
+            if request.voice not in by_name:
                 try:
-                    voices[request.voice] = self.voices.get(request.voice)
+                    by_name[request.voice] = self.voices.get(request.voice)
                 except Exception:  # noqa: BLE001 - see Engine.prepare: the LLM thread meets it again and reports it
-                    voices[request.voice] = None
-            voice = voices[request.voice]
+                    by_name[request.voice] = None
+            voice = by_name[request.voice]
             try:
                 out.append(request if voice is None else replace(request, prepared=_Prepared(voice, self.llm_request(request, voice, text))))
             except Exception:  # noqa: BLE001 - as above (an empty text, a prompt too long)
